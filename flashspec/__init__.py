@@ -1,0 +1,21 @@
+"""FlashSpec: exact speculative decoding for Hugging Face causal language models."""
+
+from .drafters import Draft, Drafter, History, ModelDrafter, NgramDrafter
+from .engine import GenerationOutput, GenerationStats, SpeculativeEngine
+from .sampling import SamplingParams
+from .verify import VerifyResult, verify
+
+__all__ = [
+    "Draft",
+    "Drafter",
+    "GenerationOutput",
+    "GenerationStats",
+    "History",
+    "ModelDrafter",
+    "NgramDrafter",
+    "SamplingParams",
+    "SpeculativeEngine",
+    "VerifyResult",
+    "verify",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,53 @@
+"""The small protocol every drafter implements (SPEC.md §4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class History:
+    """The committed tokens of every row: ``tokens[b, :length[b]]`` (prompt, then output).
+
+    The last committed token of a row (``length[b] - 1``) is the *pending* token: the next
+    draft continues from it.
+    """
+
+    tokens: torch.Tensor  # [B, capacity] long
+    length: torch.Tensor  # [B] long
+
+
+@dataclass
+class Draft:
+    """``tokens [B, k]`` proposed ids; ``probs [B, k, V]`` the processed laws they were drawn
+    from, or ``None`` when the proposal is deterministic (verified with one-hot q)."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes draft tokens. The engine calls ``begin`` once per ``generate``, then per step
+    ``propose`` and ``accept`` (even for steps where another drafter was selected, ``accept``
+    is not called; a drafter must catch up from ``History`` on its next ``propose``)."""
+
+    name: str
+
+    def begin(self, batch_size: int) -> None:
+        """Start a new batch: forget all previous state."""
+
+    def propose(
+        self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor
+    ) -> Draft:
+        """Up to ``num_tokens`` drafts per row (the same count ``k`` for every row).
+
+        ``uniforms [B, num_tokens]`` float64 are the random numbers for sampled drafts."""
+
+    def accept(self, num_accepted: torch.Tensor) -> None:
+        """The engine kept the first ``num_accepted[b]`` drafts of row ``b``."""

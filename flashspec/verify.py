@@ -1,0 +1,125 @@
+"""Verification of drafted tokens against the target: the exact speculative-sampling rule.
+
+One public function, :func:`verify`. The reference backend below is pure PyTorch, batched over
+rows with tensor operations only (no Python loop over rows, no device-to-host synchronisation),
+so it runs on every device. SPEC.md §2 step 4 is the contract; faster backends (Triton, a later
+issue) sit behind the same signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams, probabilities, sample
+
+__all__ = ["VerifyResult", "verify"]
+
+BACKENDS = ("reference",)
+
+
+@dataclass
+class VerifyResult:
+    """``num_accepted [B]``: leading drafts kept (0..k). ``tokens [B, k+1]``: the kept drafts,
+    then the new (corrected or bonus) token at index ``num_accepted``; later entries are -1."""
+
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    uniforms: torch.Tensor | None = None,
+    *,
+    backend: str = "reference",
+) -> VerifyResult:
+    """Accept a prefix of the drafts and emit one more token, exactly per SPEC.md §2.
+
+    Args:
+        target_logits: ``[B, k+1, V]`` raw target logits; position ``i`` scores the token after
+            the ``i``-th fed token (the pending token, then each draft).
+        draft_tokens: ``[B, k]`` drafted token ids (``k`` may be 0).
+        draft_probs: ``[B, k, V]`` processed drafter distributions the drafts were drawn from,
+            or ``None`` for a deterministic drafter (verified with one-hot ``q``).
+        params: the sampling parameters (greedy when ``params.do_sample`` is False).
+        uniforms: ``[B, k+1]`` float64 in ``[0, 1)``: ``[:, i]`` tests draft ``i``, ``[:, k]``
+            draws the final token. Required when sampling; ignored for greedy.
+        backend: only ``"reference"`` in this release.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown verify backend {backend!r}; available: {', '.join(BACKENDS)}.")
+    batch, k = draft_tokens.shape
+    if target_logits.shape[:2] != (batch, k + 1):
+        raise ValueError(
+            f"target_logits must have shape [B, k+1, V] = [{batch}, {k + 1}, V] for drafts of "
+            f"shape {tuple(draft_tokens.shape)}; got {tuple(target_logits.shape)}."
+        )
+    device = target_logits.device
+    columns = torch.arange(k + 1, device=device)
+
+    if not params.do_sample:
+        target_choice = target_logits.float().argmax(dim=-1)  # [B, k+1]
+        matches = draft_tokens == target_choice[:, :k]
+        num_accepted = _leading_true(matches)
+        final = target_choice.gather(1, num_accepted[:, None]).squeeze(1)
+        return VerifyResult(num_accepted, _assemble(draft_tokens, num_accepted, final, columns))
+
+    if uniforms is None or uniforms.shape != (batch, k + 1):
+        raise ValueError(f"Sampling needs uniforms of shape [{batch}, {k + 1}].")
+    p = probabilities(target_logits, params)  # [B, k+1, V] float32
+    p_draft = p[:, :k].gather(2, draft_tokens[..., None]).squeeze(2).double()  # [B, k]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2).double()
+    accepted = uniforms[:, :k].double() * q_draft < p_draft
+    num_accepted = _leading_true(accepted)
+
+    # The one row per sequence where the final token is drawn: p at position n, minus q there
+    # (q is zero at the bonus position n == k, so the "residual" is p itself).
+    rows = torch.arange(batch, device=device)
+    p_final = p[rows, num_accepted]  # [B, V]
+    q_final = _draft_law_at(draft_tokens, draft_probs, num_accepted, p_final)
+    residual = torch.clamp(p_final - q_final, min=0.0)
+    has_mass = residual.sum(dim=-1, keepdim=True) > 0
+    final = sample(torch.where(has_mass, residual, p_final), uniforms[:, k])
+    return VerifyResult(num_accepted, _assemble(draft_tokens, num_accepted, final, columns))
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """Number of leading True entries per row of ``[B, k]`` (prefix-only acceptance)."""
+    return torch.cumprod(mask.long(), dim=1).sum(dim=1)
+
+
+def _draft_law_at(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    position: torch.Tensor,
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """``q`` at ``position [B]`` as ``[B, V]``; zero where ``position == k`` (no draft there)."""
+    batch, k = draft_tokens.shape
+    in_range = (position < k)[:, None]
+    safe = position.clamp(max=max(k - 1, 0))
+    rows = torch.arange(batch, device=like.device)
+    if k == 0:
+        return torch.zeros_like(like)
+    if draft_probs is None:
+        q = torch.zeros_like(like).scatter_(1, draft_tokens[rows, safe][:, None], 1.0)
+    else:
+        q = draft_probs[rows, safe].to(like.dtype)
+    return torch.where(in_range, q, torch.zeros_like(q))
+
+
+def _assemble(
+    drafts: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor, columns: torch.Tensor
+) -> torch.Tensor:
+    """``[B, k+1]``: drafts before ``num_accepted``, ``final`` at it, -1 after."""
+    padded = torch.cat([drafts, drafts.new_full((drafts.shape[0], 1), -1)], dim=1)
+    n = num_accepted[:, None]
+    out = torch.where(columns < n, padded, torch.full_like(padded, -1))
+    return torch.where(columns == n, final[:, None], out)
