@@ -1,0 +1,145 @@
+"""Benchmarks: speculative vs target-only decoding on held-out prompts, side by side in one run.
+
+Prompts come from the held-out part of the three-domain corpus (the last 5 % of each file's
+decompressed bytes, which no training script reads). Each prompt is decoded by the target alone
+and speculatively, alternating, so both see the same machine state; we report ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .engine import SpeculativeEngine
+
+DOMAINS = {"code": "code.txt.xz", "prose": "prose.txt.xz", "chat": "dialogue.txt.xz"}
+HELDOUT_FRACTION = 0.05
+
+
+def heldout_text(corpus_dir: Path, domain: str) -> str:
+    """The last 5 % of the domain's corpus file (decompressed), cut at a line start."""
+    path = Path(corpus_dir) / DOMAINS[domain]
+    if not path.is_file():
+        raise ValueError(f"Corpus file {path} not found; pass --corpus pointing at shared/corpus.")
+    data = lzma.decompress(path.read_bytes())
+    start = int(len(data) * (1 - HELDOUT_FRACTION))
+    start = data.index(b"\n", start) + 1
+    return data[start:].decode("utf-8", errors="replace")
+
+
+def heldout_prompts(
+    corpus_dir: Path, domain: str, count: int, prompt_tokens: int, tokenizer: Any, seed: int = 0
+) -> list[list[int]]:
+    """``count`` prompts of ``prompt_tokens`` tokens, each starting at a random line of the
+    held-out text (fixed seed)."""
+    text = heldout_text(corpus_dir, domain)
+    line_starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n" and i + 1 < len(text)]
+    rng = random.Random(f"{domain}-{seed}")
+    prompts = []
+    while len(prompts) < count:
+        start = rng.choice(line_starts[: int(len(line_starts) * 0.9)])
+        ids = tokenizer(text[start : start + 8 * prompt_tokens])["input_ids"][:prompt_tokens]
+        if len(ids) == prompt_tokens:
+            prompts.append(ids)
+    return prompts
+
+
+def run_core(
+    target: Any,
+    drafter: Any,
+    tokenizer: Any,
+    corpus_dir: Path,
+    *,
+    prompts_per_domain: int = 3,
+    prompt_tokens: int = 128,
+    max_new_tokens: int = 64,
+    num_draft_tokens: int = 4,
+    temperatures: tuple[float, ...] = (0.0, 0.7),
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Time target-only and speculative decoding of the same prompts; return raw rows."""
+    baseline = SpeculativeEngine(target, [], tokenizer=tokenizer)
+    speculative = SpeculativeEngine(target, [drafter], tokenizer=tokenizer)
+    warm = tokenizer("def f(x):\n    return")["input_ids"]
+    for engine in (baseline, speculative):  # first calls allocate; keep them out of the timing
+        engine.generate([warm], max_new_tokens=4)
+    rows = []
+    jobs = [
+        (domain, t, i, p)
+        for domain in DOMAINS
+        for t in temperatures
+        for i, p in enumerate(heldout_prompts(corpus_dir, domain, prompts_per_domain, prompt_tokens, tokenizer, seed))
+    ]
+    for domain, temperature, index, prompt in tqdm(jobs, desc="benchmark", unit="prompt"):
+        sampling = dict(do_sample=temperature > 0, temperature=temperature or 1.0, seed=seed + index)
+        result = {"domain": domain, "temperature": temperature, "prompt": index}
+        for name, engine in (("target_only", baseline), ("speculative", speculative)):
+            out = engine.generate(
+                [prompt], max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
+                eos_token_id=[], **sampling,
+            )
+            result[name] = out.stats.as_dict()
+            if name == "speculative" and temperature == 0:
+                result["greedy_outputs_equal"] = out.sequences == result.pop("_baseline_sequences")
+            if name == "target_only" and temperature == 0:
+                result["_baseline_sequences"] = out.sequences
+        result.pop("_baseline_sequences", None)
+        result["speedup"] = result["speculative"]["tokens_per_second"] / result["target_only"]["tokens_per_second"]
+        rows.append(result)
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "device": str(target.device),
+            "dtype": str(target.dtype),
+        },
+        "settings": {
+            "prompts_per_domain": prompts_per_domain,
+            "prompt_tokens": prompt_tokens,
+            "max_new_tokens": max_new_tokens,
+            "num_draft_tokens": num_draft_tokens,
+            "temperatures": list(temperatures),
+            "heldout": f"last {HELDOUT_FRACTION:.0%} of each corpus file's decompressed bytes",
+        },
+        "rows": rows,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def summarize(results: dict[str, Any]) -> str:
+    """A markdown table: per domain and temperature, tokens/s of both, speedup, accepted/step."""
+    lines = [
+        "| domain | temperature | target-only tok/s | speculative tok/s | speedup | mean tokens/step | acceptance | engine overhead | greedy equal |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for row in results["rows"]:
+        groups.setdefault((row["domain"], row["temperature"]), []).append(row)
+    for (domain, temperature), rows in groups.items():
+        base = sum(r["target_only"]["new_tokens"] for r in rows) / sum(r["target_only"]["seconds"] for r in rows)
+        spec = sum(r["speculative"]["new_tokens"] for r in rows) / sum(r["speculative"]["seconds"] for r in rows)
+        per_step = sum(r["speculative"]["mean_tokens_per_step"] for r in rows) / len(rows)
+        accept = sum(r["speculative"]["acceptance_rate"] for r in rows) / len(rows)
+        overhead = sum(r["speculative"]["overhead_fraction"] for r in rows) / len(rows)
+        equal = "—" if temperature else ("yes" if all(r.get("greedy_outputs_equal") for r in rows) else "NO")
+        lines.append(
+            f"| {domain} | {'greedy' if temperature == 0 else temperature} | {base:.2f} | {spec:.2f} | "
+            f"{spec / base:.2f}× | {per_step:.2f} | {accept:.2f} | {overhead:.1%} | {equal} |"
+        )
+    return "\n".join(lines)
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    out.with_suffix(".md").write_text(summarize(results) + "\n")

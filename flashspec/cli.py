@@ -1,0 +1,143 @@
+"""Command line: ``flashspec generate``, ``flashspec demo`` and ``flashspec bench core``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+DEMO_PROMPT = (
+    "# Python: a binary search tree with insert, search and in-order traversal\n"
+    "class Node:\n"
+    "    def __init__(self, key):\n"
+)
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 turns top-k off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 turns top-p off")
+    p.add_argument("--num-draft-tokens", "--gamma", type=int, default=4)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashspec", description="Exact speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete a prompt speculatively")
+    gen.add_argument("--target", required=True, help="folder, hub id or .gguf file")
+    gen.add_argument(
+        "--draft", action="append", default=[], help="drafter: folder, hub id, .gguf file or 'ngram' (repeatable)"
+    )
+    gen.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the target's)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--compare", action="store_true", help="also run target-only decoding and print the speedup")
+    _add_sampling(gen)
+
+    demo = sub.add_parser("demo", help="Qwen2.5-Coder 1.5B with its 0.5B drafter on a code prompt")
+    demo.add_argument("--prompt", default=DEMO_PROMPT)
+    _add_sampling(demo)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    core = bench_sub.add_parser("core", help="speculative vs target-only on held-out corpus prompts")
+    core.add_argument("--target", default=None, help="default: the demo's 1.5B target")
+    core.add_argument("--draft", default=None, help="default: the demo's 0.5B drafter")
+    core.add_argument("--tokenizer", default=None)
+    core.add_argument("--corpus", default="../shared/corpus")
+    core.add_argument("--prompts-per-domain", type=int, default=3)
+    core.add_argument("--prompt-tokens", type=int, default=128)
+    core.add_argument("--max-new-tokens", type=int, default=64)
+    core.add_argument("--num-draft-tokens", type=int, default=4)
+    core.add_argument("--device", default=None)
+    core.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    core.add_argument("--out", default="benchmarks/results/core_cpu.json")
+    return parser
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.temperature > 0,
+        temperature=args.temperature if args.temperature > 0 else 1.0,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        num_draft_tokens=args.num_draft_tokens,
+        seed=args.seed,
+    )
+
+
+def _report(label: str, out) -> None:
+    s = out.stats
+    print(
+        f"[{label}] {s.new_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_second:.2f} tokens/s; "
+        f"acceptance {s.acceptance_rate:.2f}, {s.mean_tokens_per_step:.2f} tokens/step, {s.steps} steps, "
+        f"engine overhead {s.overhead_fraction:.1%}"
+    )
+
+
+def _run(engine, baseline, prompt: str, args: argparse.Namespace) -> None:
+    kwargs = _engine_kwargs(args)
+    out = engine.generate(prompt, progress=True, **kwargs)
+    print(prompt + out.text[0])
+    print()
+    _report("speculative", out)
+    if baseline is not None:
+        base = baseline.generate(prompt, progress=True, **kwargs)
+        _report("target-only", base)
+        speedup = out.stats.tokens_per_second / base.stats.tokens_per_second
+        same = "identical" if base.sequences == out.sequences else "different (sampling draws differ)"
+        print(f"speedup {speedup:.2f}x; outputs {same}")
+
+
+def _load_pair(target: str, drafts: list[str], tokenizer: str | None, device: str | None, dtype: str | None):
+    import torch
+
+    from .engine import SpeculativeEngine
+
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    engine = SpeculativeEngine(target, drafts, tokenizer=tokenizer, device=device, dtype=torch_dtype)
+    baseline = SpeculativeEngine(engine.target, [], tokenizer=engine.tokenizer)
+    return engine, baseline
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            engine, baseline = _load_pair(args.target, args.draft, args.tokenizer, args.device, args.dtype)
+            _run(engine, baseline if args.compare else None, args.prompt, args)
+        elif args.command == "demo":
+            from .models import DEMO_DRAFT, DEMO_TARGET, fetch_demo_model
+
+            target, draft = fetch_demo_model(DEMO_TARGET), fetch_demo_model(DEMO_DRAFT)
+            engine, baseline = _load_pair(target, [draft], None, args.device, args.dtype)
+            _run(engine, baseline, args.prompt, args)
+        elif args.command == "bench" and args.bench == "core":
+            from . import bench
+            from .models import DEMO_DRAFT, DEMO_TARGET, fetch_demo_model
+
+            target = args.target or fetch_demo_model(DEMO_TARGET)
+            draft = args.draft or fetch_demo_model(DEMO_DRAFT)
+            engine, _ = _load_pair(target, [draft], args.tokenizer, args.device, args.dtype)
+            results = bench.run_core(
+                engine.target, engine.drafters[0], engine.tokenizer, Path(args.corpus),
+                prompts_per_domain=args.prompts_per_domain, prompt_tokens=args.prompt_tokens,
+                max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+            )
+            bench.write(results, Path(args.out))
+            print(bench.summarize(results))
+    except ValueError as error:
+        print(f"flashspec: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Engine behaviour beyond exactness: caches, seeds, strings, statistics, stopping."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from flashspec import SpeculativeEngine
+
+
+def llama(seed: int = 0, vocab: int = 40) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+TARGET = llama()
+
+
+def record_forward_lengths(model):
+    lengths = []
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        lengths.append(kwargs["input_ids"].shape[1])
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    return lengths
+
+
+def test_target_forwards_are_prompt_once_then_gamma_plus_one():
+    target, drafter = llama(), llama(seed=3)
+    lengths = record_forward_lengths(target)
+    engine = SpeculativeEngine(target, [drafter])
+    gamma = 3
+    out = engine.generate([list(range(1, 21))], max_new_tokens=14, num_draft_tokens=gamma, eos_token_id=[])
+    assert lengths[0] == 20  # the prefix once
+    assert all(n <= gamma + 1 for n in lengths[1:])  # no step re-runs the prefix
+    assert len(lengths) == 1 + out.stats.steps  # one target forward per step
+    assert lengths[1] == gamma + 1
+
+
+def test_drafter_forwards_catch_up_without_rerunning_the_prefix():
+    target, drafter = llama(), llama(seed=3)
+    lengths = record_forward_lengths(drafter)
+    engine = SpeculativeEngine(target, [drafter])
+    engine.generate([list(range(1, 21))], max_new_tokens=14, num_draft_tokens=3, eos_token_id=[])
+    assert lengths[0] == 21  # prompt + the first new token, once
+    assert all(n <= 2 for n in lengths[1:])  # later: at most the unseen committed tokens
+
+
+def test_seed_reproducible_and_seed_matters():
+    engine = SpeculativeEngine(TARGET, [llama(seed=5)])
+    kwargs = dict(max_new_tokens=20, do_sample=True, temperature=0.9, eos_token_id=[])
+    a = engine.generate([[1, 2, 3], [4, 5]], seed=11, **kwargs).sequences
+    b = engine.generate([[1, 2, 3], [4, 5]], seed=11, **kwargs).sequences
+    c = engine.generate([[1, 2, 3], [4, 5]], seed=12, **kwargs).sequences
+    assert a == b
+    assert a != c
+
+
+def test_stats_are_consistent():
+    engine = SpeculativeEngine(TARGET, [TARGET])
+    out = engine.generate([[1, 2, 3]], max_new_tokens=21, num_draft_tokens=4, eos_token_id=[])
+    s = out.stats
+    assert s.new_tokens == 21
+    assert s.acceptance_rate == 1.0  # the drafter is the target
+    assert s.steps == 4  # 1 token from the prefill, then 4 steps of 5 (4 drafts + bonus)
+    assert s.mean_tokens_per_step == 5.0  # 20 tokens / 4 steps
+    assert s.per_drafter[engine.drafters[0].name].accepted == s.accepted
+    assert 0.0 <= s.overhead_fraction < 1.0
+    assert s.tokens_per_second > 0
+
+
+def test_max_new_tokens_zero_and_one():
+    engine = SpeculativeEngine(TARGET, ["ngram"])
+    assert engine.generate([[1, 2]], max_new_tokens=0).sequences == [[]]
+    assert len(engine.generate([[1, 2]], max_new_tokens=1, eos_token_id=[]).sequences[0]) == 1
+
+
+def test_rows_stop_on_their_own_eos():
+    engine = SpeculativeEngine(TARGET, [llama(seed=4)])
+    free = engine.generate([[1, 2, 3], [7, 8]], max_new_tokens=12, eos_token_id=[]).sequences
+    eos = free[0][4]
+    out = engine.generate([[1, 2, 3], [7, 8]], max_new_tokens=12, eos_token_id=eos).sequences
+    for row_free, row in zip(free, out):
+        if eos in row_free:
+            cut = row_free.index(eos) + 1
+            assert row == row_free[:cut]
+        else:
+            assert row == row_free
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(["<unk>"] + [chr(ord("a") + i) for i in range(26)] + ["the", "cat"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_strings_in_text_out():
+    engine = SpeculativeEngine(TARGET, ["ngram"], tokenizer=tiny_tokenizer())
+    out = engine.generate(["the cat a b", "c"], max_new_tokens=5, eos_token_id=[])
+    assert len(out.text) == 2 and all(isinstance(t, str) for t in out.text)
+    single = engine.generate("the cat", max_new_tokens=3, eos_token_id=[])
+    assert len(single.sequences) == 1 and len(single.sequences[0]) == 3
+
+
+def test_right_padded_tensor_with_mask():
+    engine = SpeculativeEngine(TARGET, ["ngram"])
+    ids = torch.tensor([[5, 6, 7, 0], [9, 9, 9, 9]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    padded = engine.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[]).sequences
+    alone = engine.generate([[5, 6, 7], [9, 9, 9, 9]], max_new_tokens=6, eos_token_id=[]).sequences
+    assert padded == alone
