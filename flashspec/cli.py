@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="Qwen2.5-Coder 1.5B with its 0.5B drafter on a code prompt")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     _add_sampling(demo)
+    # On the CPU a bf16 matmul costs the same for 1 and 5 tokens, a float32 one does not
+    # (BENCHMARKS.md), so the demo runs in bfloat16 everywhere.
+    demo.set_defaults(dtype="bfloat16")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

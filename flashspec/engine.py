@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -211,12 +211,13 @@ class SpeculativeEngine:
     ) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` per row; the output law is exactly the target's."""
         params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}.")
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, numbers.Integral) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be an integer >= 1; got {num_draft_tokens!r}.")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer or None; got {seed!r}.")
+        max_new_tokens, num_draft_tokens = int(max_new_tokens), int(num_draft_tokens)
         rows = self._rows(input_ids, attention_mask)
         eos = self._eos_ids(eos_token_id)
         longest = max(len(r) for r in rows)
@@ -310,7 +311,7 @@ class _Run:
         k = self._draft_length()
         arm = engine.selector.select() if engine.drafters and k > 0 else None
         drafter = engine.drafters[arm] if arm is not None else None
-        history = History(self.tokens, self.length)
+        history = History(self.tokens, self.length, self.active)
         if drafter is not None:
             draft = drafter.propose(history, k, self.params, self.uniforms(k))
         else:

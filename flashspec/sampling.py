@@ -8,6 +8,7 @@ their distributions can never disagree about what "temperature 0.7" means.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -25,17 +26,22 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 turns it off); got {self.top_k!r}.")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < float(self.top_p) <= 1.0):
+        if not _is_real(self.top_p) or not (0.0 < float(self.top_p) <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (1.0 turns it off); got {self.top_p!r}.")
         if self.do_sample:
             t = self.temperature
-            if not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            if not _is_real(t) or not math.isfinite(t) or t <= 0:
                 raise ValueError(
                     f"temperature must be a finite number > 0 when sampling; got {t!r}. "
                     "Use do_sample=False for greedy decoding."
                 )
+
+
+def _is_real(value: object) -> bool:
+    """A real number (numpy scalars included), but not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -20,6 +20,7 @@ class History:
 
     tokens: torch.Tensor  # [B, capacity] long
     length: torch.Tensor  # [B] long
+    active: torch.Tensor | None = None  # [B] bool: rows still generating (None: all of them)
 
 
 @dataclass

@@ -42,6 +42,9 @@ class ModelDrafter:
         length = history.length.to(device)
         chunk, real = right_align(tokens, self._lm.num_real, length)
         logits = self._lm.append(chunk, real, logits_to_keep=1)[:, -1]
+        # Finished rows feed their drafts as holes: their positions may lie past the context window.
+        active = history.active if history.active is not None else torch.ones_like(length, dtype=torch.bool)
+        live = active.to(device)[:, None].long()
         drafted, laws = [], []
         for i in range(num_tokens):
             if params.do_sample:
@@ -52,7 +55,7 @@ class ModelDrafter:
                 token = logits.float().argmax(dim=-1)
             drafted.append(token)
             if i + 1 < num_tokens:
-                logits = self._lm.append(token[:, None], torch.ones_like(token[:, None]), 1)[:, -1]
+                logits = self._lm.append(token[:, None], live, 1)[:, -1]
         self._base, self._k = length.clone(), num_tokens  # history.length changes in place
         out_device = history.tokens.device
         probs = torch.stack(laws, dim=1).to(out_device) if laws else None
