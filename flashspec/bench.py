@@ -143,3 +143,52 @@ def write(results: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     out.with_suffix(".md").write_text(summarize(results) + "\n")
+
+
+def run_forward_costs(
+    specs: dict[str, str], dtypes: tuple[str, ...], tokens: tuple[int, ...] = (1, 2, 3, 5),
+    context: int = 100, repeats: int = 7, device: str = "cpu",
+) -> dict[str, Any]:
+    """Median wall time of one cached forward over ``n`` new tokens after a ``context``-token
+    prefix, per model and dtype: what a drafting step and a verification step cost."""
+    from .cache import CachedLM
+    from .models import load_model
+
+    rows = []
+    for dtype in dtypes:
+        for name, spec in specs.items():
+            model = load_model(spec, device, getattr(torch, dtype))
+            lm = CachedLM(model)
+            gen = torch.Generator().manual_seed(0)
+            for n in tqdm(tokens, desc=f"{name} {dtype}", unit="shape"):
+                times = []
+                for _ in range(repeats):
+                    lm.reset(1)
+                    prefix = torch.randint(0, 1000, (1, context), generator=gen).to(model.device)
+                    lm.append(prefix, torch.ones_like(prefix), 1)
+                    new = torch.randint(0, 1000, (1, n), generator=gen).to(model.device)
+                    started = time.perf_counter()
+                    lm.append(new, torch.ones_like(new), n)
+                    times.append(time.perf_counter() - started)
+                times.sort()
+                rows.append({"model": name, "dtype": dtype, "tokens": n, "ms": 1000 * times[len(times) // 2]})
+            del model, lm
+    return {"rows": rows, "context": context, "repeats": repeats, "threads": torch.get_num_threads(),
+            "platform": platform.platform(), "torch": torch.__version__, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def summarize_forward_costs(results: dict[str, Any]) -> str:
+    """Markdown: ms per forward by model, dtype and new tokens, and the drafter/target ratio c."""
+    rows = results["rows"]
+    tokens = sorted({r["tokens"] for r in rows})
+    lines = ["| model | dtype | " + " | ".join(f"{n} token{'s' if n > 1 else ''}" for n in tokens) + " |",
+             "|---|---|" + "---|" * len(tokens)]
+    cell = {(r["model"], r["dtype"], r["tokens"]): r["ms"] for r in rows}
+    for model, dtype in dict.fromkeys((r["model"], r["dtype"]) for r in rows):
+        lines.append(f"| {model} | {dtype} | " + " | ".join(f"{cell[(model, dtype, n)]:.0f} ms" for n in tokens) + " |")
+    names = list(dict.fromkeys(r["model"] for r in rows))
+    if len(names) == 2 and 1 in tokens:
+        for dtype in dict.fromkeys(r["dtype"] for r in rows):
+            c = cell[(names[1], dtype, 1)] / cell[(names[0], dtype, 1)]
+            lines.append(f"\nc = {names[1]} / {names[0]} at 1 token, {dtype}: **{c:.2f}**")
+    return "\n".join(lines)

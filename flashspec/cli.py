@@ -58,9 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     core.add_argument("--prompt-tokens", type=int, default=128)
     core.add_argument("--max-new-tokens", type=int, default=64)
     core.add_argument("--num-draft-tokens", type=int, default=4)
+    core.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 means greedy")
     core.add_argument("--device", default=None)
     core.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     core.add_argument("--out", default="benchmarks/results/core_cpu.json")
+
+    fwd = bench_sub.add_parser("forward", help="cost of one cached forward by model, dtype and token count")
+    fwd.add_argument("--target", default=None, help="default: the demo's 1.5B target")
+    fwd.add_argument("--draft", default=None, help="default: the demo's 0.5B drafter")
+    fwd.add_argument("--dtypes", default="float32,bfloat16")
+    fwd.add_argument("--device", default="cpu")
+    fwd.add_argument("--out", default="benchmarks/results/forward_cpu.json")
     return parser
 
 
@@ -74,6 +82,16 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_draft_tokens=args.num_draft_tokens,
         seed=args.seed,
     )
+
+
+def _temperatures(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"--temperatures must be comma-separated numbers; got {text!r}.") from None
+    if not values or any(not t >= 0 for t in values):
+        raise ValueError(f"--temperatures must be numbers >= 0 (0 means greedy); got {text!r}.")
+    return values
 
 
 def _report(label: str, out) -> None:
@@ -133,9 +151,31 @@ def main(argv: list[str] | None = None) -> int:
                 engine.target, engine.drafters[0], engine.tokenizer, Path(args.corpus),
                 prompts_per_domain=args.prompts_per_domain, prompt_tokens=args.prompt_tokens,
                 max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+                temperatures=_temperatures(args.temperatures),
             )
             bench.write(results, Path(args.out))
             print(bench.summarize(results))
+        elif args.command == "bench" and args.bench == "forward":
+            import json
+
+            from . import bench
+            from .models import DEMO_DRAFT, DEMO_TARGET, fetch_demo_model
+
+            specs = {
+                "target": args.target or fetch_demo_model(DEMO_TARGET),
+                "drafter": args.draft or fetch_demo_model(DEMO_DRAFT),
+            }
+            dtypes = tuple(d for d in args.dtypes.split(",") if d)
+            for d in dtypes:
+                if d not in DTYPES:
+                    raise ValueError(f"Unknown dtype {d!r}; choose from {', '.join(sorted(DTYPES))}.")
+            results = bench.run_forward_costs(specs, dtypes, device=args.device)
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=1))
+            table = bench.summarize_forward_costs(results)
+            out.with_suffix(".md").write_text(table + "\n")
+            print(table)
     except ValueError as error:
         print(f"flashspec: error: {error}", file=sys.stderr)
         return 2

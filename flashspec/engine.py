@@ -61,7 +61,8 @@ class GenerationStats:
 
     @property
     def overhead_fraction(self) -> float:
-        """Share of decode-step time spent outside model forwards (engine overhead)."""
+        """Share of decode-step time spent outside model forwards (engine overhead). Measured
+        with host clocks: meaningful on the CPU; on CUDA forwards return at launch."""
         return 1.0 - self.forward_seconds / self.decode_seconds if self.decode_seconds else 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -330,7 +331,7 @@ class _Run:
         if drafter is not None:
             drafter.accept(n)
             accepted = int(n.sum())
-            engine.selector.update(arm, accepted, k * active_rows, 0.0)
+            engine.selector.update(arm, accepted, k * active_rows)
             per = stats.per_drafter[drafter.name]
             per.steps += 1
             per.proposed += k * active_rows

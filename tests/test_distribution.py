@@ -158,7 +158,7 @@ class SwitchingSelector:
         self.t += 1
         return self.t % 2
 
-    def update(self, arm, num_accepted, num_proposed, seconds) -> None:
+    def update(self, arm, num_accepted, num_proposed) -> None:
         pass
 
 

@@ -12,7 +12,7 @@ class Selector(Protocol):
     def select(self) -> int:
         """Index of the drafter to use for the next step (may depend on the past only)."""
 
-    def update(self, arm: int, num_accepted: int, num_proposed: int, seconds: float) -> None:
+    def update(self, arm: int, num_accepted: int, num_proposed: int) -> None:
         """What the chosen drafter achieved in the step it was chosen for."""
 
 
@@ -25,7 +25,7 @@ class FixedSelector:
     def select(self) -> int:
         return self.arm
 
-    def update(self, arm: int, num_accepted: int, num_proposed: int, seconds: float) -> None:
+    def update(self, arm: int, num_accepted: int, num_proposed: int) -> None:
         pass
 
 
