@@ -96,9 +96,10 @@ def _temperatures(text: str) -> tuple[float, ...]:
 
 def _report(label: str, out) -> None:
     s = out.stats
+    drafts = f"acceptance {s.acceptance_rate:.2f}, " if s.proposed else ""
     print(
         f"[{label}] {s.new_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_second:.2f} tokens/s; "
-        f"acceptance {s.acceptance_rate:.2f}, {s.mean_tokens_per_step:.2f} tokens/step, {s.steps} steps, "
+        f"{drafts}{s.mean_tokens_per_step:.2f} tokens/step, {s.steps} steps, "
         f"engine overhead {s.overhead_fraction:.1%}"
     )
 
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             from . import bench
             from .models import DEMO_DRAFT, DEMO_TARGET, fetch_demo_model
 
+            temperatures = _temperatures(args.temperatures)  # before minutes of model loading
             target = args.target or fetch_demo_model(DEMO_TARGET)
             draft = args.draft or fetch_demo_model(DEMO_DRAFT)
             engine, _ = _load_pair(target, [draft], args.tokenizer, args.device, args.dtype)
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.target, engine.drafters[0], engine.tokenizer, Path(args.corpus),
                 prompts_per_domain=args.prompts_per_domain, prompt_tokens=args.prompt_tokens,
                 max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-                temperatures=_temperatures(args.temperatures),
+                temperatures=temperatures,
             )
             bench.write(results, Path(args.out))
             print(bench.summarize(results))
