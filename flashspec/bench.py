@@ -151,24 +151,25 @@ def run_forward_costs(
 ) -> dict[str, Any]:
     """Median wall time of one cached forward over ``n`` new tokens after a ``context``-token
     prefix, per model and dtype: what a drafting step and a verification step cost."""
-    from .cache import CachedLM
+    from .cache import make_lm
     from .models import load_model
 
     rows = []
     for dtype in dtypes:
         for name, spec in specs.items():
             model = load_model(spec, device, getattr(torch, dtype))
-            lm = CachedLM(model)
+            lm = make_lm(model)  # the wrapper the engine uses for this model
             gen = torch.Generator().manual_seed(0)
             for n in tqdm(tokens, desc=f"{name} {dtype}", unit="shape"):
                 times = []
                 for _ in range(repeats):
-                    lm.reset(1)
+                    lm.reset(1, context + max(tokens))
                     prefix = torch.randint(0, 1000, (1, context), generator=gen).to(model.device)
-                    lm.append(prefix, torch.ones_like(prefix), 1)
+                    zero = torch.zeros(1, dtype=torch.long, device=model.device)
+                    lm.forward(prefix, zero, logits_at=zero[:, None] + context - 1)
                     new = torch.randint(0, 1000, (1, n), generator=gen).to(model.device)
                     started = time.perf_counter()
-                    lm.append(new, torch.ones_like(new), n)
+                    lm.forward(new, zero + context)
                     times.append(time.perf_counter() - started)
                 times.sort()
                 rows.append({"model": name, "dtype": dtype, "tokens": n, "ms": 1000 * times[len(times) // 2]})

@@ -1,24 +1,181 @@
-"""A Hugging Face causal LM behind a KV cache that rows of different lengths can share.
+"""Models behind KV caches that the decode loop can roll back (SPEC.md §3).
 
-Rows in a batch accept different numbers of tokens each step. Instead of giving every row its
-own cache, all rows share one physical length ``T``; a position that does not hold a real token
-of a row is a *hole*, masked out as a key for every later query (SPEC.md §3). Position ids count
-real tokens only, so each row sees exactly the positions it would see alone.
+Both classes answer one call, :meth:`forward`: feed ``tokens [B, q]`` at positions
+``start[b] .. start[b] + q - 1`` of each row, forgetting whatever the cache held at positions
+``>= start[b]``, and return logits. The loop never "rolls back" explicitly: feeding at ``start``
+*is* the rollback.
+
+* :class:`StaticLM` (Llama-family models): a pre-allocated cache indexed by position. A token's
+  keys and values are written at its position, and a query at position ``p`` attends to keys at
+  positions ``<= p``. Stale entries past a row's length are never read before they are
+  overwritten, so rollback costs nothing, shapes never change and no step reads anything back
+  to the host: the forward can be captured in a CUDA graph.
+* :class:`CachedLM` (every other causal LM): transformers' ``DynamicCache`` shared by rows of
+  different lengths, with *holes* masked out; rollback crops the cache, which reads lengths on
+  the host. The reference path for architectures :class:`StaticLM` does not know.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-__all__ = ["CachedLM", "right_align"]
+from .models import context_window
+
+__all__ = ["CachedLM", "StaticLM", "make_lm"]
+
+
+class StaticLM:
+    """A Llama-family causal LM run over a pre-allocated KV cache indexed by position.
+
+    The model's own modules (norms, rotary embedding, projections, activation) do the arithmetic;
+    only the cache and the attention call are ours, so every checkpoint transformers loads for
+    these architectures works unchanged. The query/key/value projections and the MLP's gate/up
+    projections are each fused into one matrix (the model's modules are re-pointed at slices of
+    it, so no memory is duplicated and the model still works on its own): fewer, larger matrix
+    products, which is what batch-1 decoding on a GPU is short of.
+
+    ``compile=True`` runs short forwards (decode steps) through ``torch.compile``, which fuses
+    the small element-wise kernels (norms, rotary embedding, activation); one compilation per
+    distinct token count.
+    """
+
+    ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+    COMPILED_WIDTHS = 16  # forwards over more tokens (prefills) run eagerly
+
+    def __init__(self, model: PreTrainedModel, compile: bool = False) -> None:
+        if not self.supports(model):
+            raise ValueError(f"StaticLM does not support model type {model.config.model_type!r}.")
+        self.model = model
+        self.base = model.model
+        first = self.base.layers[0].self_attn
+        self.head_dim: int = first.head_dim
+        self.num_heads: int = model.config.num_attention_heads
+        self.num_kv_heads: int = model.config.num_key_value_heads
+        self.apply_rope = sys.modules[type(first).__module__].apply_rotary_pos_emb
+        self.forward_seconds = 0.0  # host time inside forwards (meaningful on the CPU only)
+        self.batch, self.capacity = 0, 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.base.layers]
+        self.gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.base.layers]
+        self._compiled = torch.compile(self._forward, dynamic=False) if compile else None
+
+    @classmethod
+    def supports(cls, model: PreTrainedModel) -> bool:
+        """Whether ``model`` is an architecture this class reproduces exactly."""
+        config = model.config
+        if getattr(config, "model_type", None) not in cls.ARCHITECTURES:
+            return False
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            layer_types = getattr(config, "layer_types", None)
+            if layer_types is None or "sliding_attention" in layer_types:
+                return False
+        base = getattr(model, "model", None)
+        return base is not None and hasattr(base, "rotary_emb") and hasattr(base, "layers")
+
+    def reset(self, batch: int, capacity: int) -> bool:
+        """Make room for ``batch`` rows of ``capacity`` positions. Returns whether the buffers
+        were replaced (graphs that captured the old ones must then be dropped)."""
+        if batch == self.batch and capacity <= self.capacity:
+            return False
+        capacity = -(-capacity // 256) * 256  # round up so nearby requests reuse buffers and graphs
+        param = next(self.model.parameters())
+        shape = (batch, self.num_kv_heads, capacity, self.head_dim)
+        layers = len(self.base.layers)
+        self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(layers)]
+        if self._compiled is not None:
+            for t in self.keys + self.values:
+                torch._dynamo.mark_static_address(t)
+        self.batch, self.capacity = batch, capacity
+        return True
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start: torch.Tensor,
+        real: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Feed ``tokens [B, q]`` at positions ``start[b] + j``; logits ``[B, q, V]``, or only the
+        columns ``logits_at [B, m]``. ``real`` is accepted for interface parity and ignored:
+        a padding token writes a stale entry that is overwritten before any query can see it."""
+        started = time.perf_counter()
+        short = tokens.shape[1] <= self.COMPILED_WIDTHS
+        run = self._compiled if self._compiled is not None and short else self._forward
+        logits = run(tokens, start, logits_at)
+        self.forward_seconds += time.perf_counter() - started
+        return logits
+
+    def _forward(self, tokens: torch.Tensor, start: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor:
+        batch, width = tokens.shape
+        device = tokens.device
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        groups = heads // kv_heads
+        positions = (start[:, None] + torch.arange(width, device=device)).clamp(max=self.capacity - 1)
+        # Query heads h = kv * groups + g share key head kv: fold the groups into the query axis.
+        query_positions = positions[:, None, :].expand(batch, groups, width).reshape(batch, 1, groups * width, 1)
+        visible = torch.arange(self.capacity, device=device) <= query_positions  # [B, 1, G*q, capacity]
+        rows = torch.arange(batch, device=device)[:, None, None]
+        kv_index = torch.arange(kv_heads, device=device)[None, :, None]
+        slots = positions[:, None, :]
+
+        x = self.base.embed_tokens(tokens)
+        cos, sin = self.base.rotary_emb(x, positions)
+        for i, layer in enumerate(self.base.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = F.linear(layer.input_layernorm(x), *self.qkv[i])
+            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            q = q.view(batch, width, heads, dim)
+            k = k.view(batch, width, kv_heads, dim)
+            if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            self.keys[i][rows, kv_index, slots] = k
+            self.values[i][rows, kv_index, slots] = v.view(batch, width, kv_heads, dim).transpose(1, 2)
+            q = q.reshape(batch, kv_heads, groups * width, dim)
+            out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling)
+            out = out.view(batch, heads, width, dim).transpose(1, 2).reshape(batch, width, heads * dim)
+            x = x + attn.o_proj(out)
+            gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
+            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+        if logits_at is not None:
+            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+        return self.model.lm_head(self.base.norm(x))
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linear maps of the same input, stacked by output; the
+    modules are re-pointed at slices of it, so the model keeps working and nothing is copied twice."""
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in linears])
+        bias = None
+        if any(m.bias is not None for m in linears):
+            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+        offset = 0
+        for m in linears:
+            n = m.out_features
+            m.weight = torch.nn.Parameter(weight[offset : offset + n], requires_grad=False)
+            if m.bias is not None:
+                m.bias = torch.nn.Parameter(bias[offset : offset + n], requires_grad=False)
+            offset += n
+    return weight, bias
 
 
 class CachedLM:
-    """Incremental forward passes of one model over a batch, with per-row rollback."""
+    """Any transformers causal LM behind a ``DynamicCache`` that rows of different lengths share.
+
+    All rows share one physical length; a position that holds no real token of a row is a hole,
+    masked out as a key. Position ids count real tokens only, so each row sees exactly the
+    positions it would see alone. Rolling back crops the cache (a host read per step).
+    """
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
@@ -26,51 +183,63 @@ class CachedLM:
         self._accepts_logits_to_keep = "logits_to_keep" in accepted
         # transformers >= 5.24 renames past_key_values to cache.
         self._cache_argument = "cache" if "cache" in accepted else "past_key_values"
-        self.forward_seconds = 0.0  # wall time inside model forwards, for overhead accounting
-        self.reset(0)
+        # Positions past the window only ever hold tokens beyond a row's budget, which are thrown
+        # away; clamping them keeps learned position tables (GPT-2, OPT) in range.
+        self._last_position = (context_window(model.config) or 2**62) - 1
+        self.forward_seconds = 0.0
+        self.reset(0, 0)
 
-    def reset(self, batch: int) -> None:
-        """Forget everything; the next :meth:`append` starts a new batch of ``batch`` rows."""
+    def reset(self, batch: int, capacity: int) -> bool:
+        """Forget everything; the next :meth:`forward` starts a new batch of ``batch`` rows.
+        (Never captured in graphs, so this reports no buffer replacement.)"""
         device = self.model.device
         self.cache = DynamicCache(config=self.model.config)
         self.key_mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
         self.num_real = torch.zeros(batch, dtype=torch.long, device=device)
+        return False
 
     @property
     def length(self) -> int:
-        """Physical cache length ``T`` (real tokens plus holes)."""
+        """Physical cache length (real tokens plus holes)."""
         return self.key_mask.shape[1]
 
     @torch.inference_mode()
-    def append(self, tokens: torch.Tensor, real: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        """Feed ``tokens [B, n]`` (``real [B, n]`` marks non-holes); return the logits of the
-        last ``logits_to_keep`` positions, ``[B, logits_to_keep, V]``."""
-        real = real.long()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start: torch.Tensor,
+        real: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Feed ``tokens [B, q]`` as real tokens ``start[b]..`` (where ``real [B, q]`` is 1; rows
+        whose first column is not real are left as they are and get holes)."""
+        real = torch.ones_like(tokens) if real is None else real.long()
+        row_feeds = real[:, 0] > 0
+        self._keep(torch.where(row_feeds, start.to(self.num_real.device), self.num_real))
+        logits = self._append(tokens, real)
+        if logits_at is not None:
+            logits = logits.gather(1, logits_at[..., None].expand(-1, -1, logits.shape[-1]))
+        return logits
+
+    def _append(self, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         positions = self.num_real[:, None] + torch.cumsum(real, dim=1) - 1
-        positions = positions.clamp(min=0)  # a leading hole gets position 0, as in transformers
+        positions = positions.clamp(min=0, max=self._last_position)  # a leading hole gets 0
         self.key_mask = torch.cat([self.key_mask, real], dim=1)
         kwargs = {self._cache_argument: self.cache}
         if self._accepts_logits_to_keep:
-            kwargs["logits_to_keep"] = logits_to_keep
+            kwargs["logits_to_keep"] = tokens.shape[1]
         started = time.perf_counter()
         out = self.model(
-            input_ids=tokens,
-            attention_mask=self.key_mask,
-            position_ids=positions,
-            use_cache=True,
-            **kwargs,
+            input_ids=tokens, attention_mask=self.key_mask, position_ids=positions, use_cache=True, **kwargs
         )
-        logits = out.logits[:, -logits_to_keep:]
-        # Host time. On an asynchronous device (CUDA) this is launch time only: no sync is added
-        # to the decode step just to measure it, so engine overhead is reported for the CPU.
         self.forward_seconds += time.perf_counter() - started
         self.num_real = self.num_real + real.sum(dim=1)
-        return logits
+        return out.logits[:, -tokens.shape[1]:]
 
-    def keep(self, num_real: torch.Tensor) -> None:
-        """Roll back: row ``b`` keeps its first ``num_real[b]`` real tokens (never more than it
-        has); the rest become holes and the physical length shrinks to what is still used."""
-        num_real = torch.minimum(num_real.to(self.num_real.device), self.num_real)
+    def _keep(self, num_real: torch.Tensor) -> None:
+        """Row ``b`` keeps its first ``num_real[b]`` real tokens; the rest become holes and the
+        physical length shrinks to what is still used."""
+        num_real = torch.minimum(num_real, self.num_real)
         rank = torch.cumsum(self.key_mask, dim=1)
         self.key_mask = self.key_mask * (rank <= num_real[:, None]).long()
         self.num_real = num_real
@@ -81,17 +250,7 @@ class CachedLM:
             self.key_mask = self.key_mask[:, :new_length]
 
 
-def right_align(
-    history: torch.Tensor, start: torch.Tensor, end: torch.Tensor, pad_id: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut ``history[b, start[b]:end[b]]`` from each row and right-align the pieces.
-
-    Returns ``tokens [B, w]`` and ``real [B, w]`` where ``w = max(end - start)``; the left
-    padding is marked as holes. The last column is each row's token ``end[b] - 1``.
-    """
-    width = int((end - start).max()) if history.shape[0] else 0
-    offsets = torch.arange(width, device=history.device) - width  # -w .. -1
-    index = end[:, None] + offsets[None, :]
-    real = index >= start[:, None]
-    tokens = history.gather(1, index.clamp(min=0))
-    return torch.where(real, tokens, torch.full_like(tokens, pad_id)), real.long()
+def make_lm(model: PreTrainedModel, compile: bool = False) -> StaticLM | CachedLM:
+    """The fastest exact wrapper for ``model``: :class:`StaticLM` when it knows the architecture
+    (``compile`` applies to it only)."""
+    return StaticLM(model, compile=compile) if StaticLM.supports(model) else CachedLM(model)

@@ -69,6 +69,19 @@ def _parser() -> argparse.ArgumentParser:
     fwd.add_argument("--dtypes", default="float32,bfloat16")
     fwd.add_argument("--device", default="cpu")
     fwd.add_argument("--out", default="benchmarks/results/forward_cpu.json")
+
+    gpu = bench_sub.add_parser("gpu", help="verify kernels, roofline and speculative step anatomy on a CUDA GPU")
+    gpu.add_argument("--target", default=None, help="a real target (folder, hub id or .gguf); omit to skip")
+    gpu.add_argument("--draft", default=None, help="its drafter")
+    gpu.add_argument("--corpus", default="../shared/corpus", help="folder with the three-domain corpus")
+    gpu.add_argument("--shaped", default="llama3-8b", help="comma-separated random-weight shapes ('' for none)")
+    gpu.add_argument("--no-kernels", action="store_true", help="skip the verify-kernel table")
+    gpu.add_argument("--no-compile", action="store_true", help="decode without torch.compile")
+    gpu.add_argument("--prompts-per-domain", type=int, default=4)
+    gpu.add_argument("--prompt-tokens", type=int, default=256)
+    gpu.add_argument("--max-new-tokens", type=int, default=256)
+    gpu.add_argument("--num-draft-tokens", type=int, default=4)
+    gpu.add_argument("--out", default="benchmarks/results/gpu_h200")
     return parser
 
 
@@ -178,6 +191,19 @@ def main(argv: list[str] | None = None) -> int:
             table = bench.summarize_forward_costs(results)
             out.with_suffix(".md").write_text(table + "\n")
             print(table)
+        elif args.command == "bench" and args.bench == "gpu":
+            from . import bench_gpu
+
+            shaped = tuple(s for s in args.shaped.split(",") if s)
+            for name in shaped:
+                if name not in bench_gpu.SHAPES:
+                    raise ValueError(f"Unknown shape {name!r}; choose from {', '.join(bench_gpu.SHAPES)}.")
+            bench_gpu.run(
+                Path(args.out), target=args.target, drafter=args.draft, corpus=Path(args.corpus), shaped=shaped,
+                kernels=not args.no_kernels, prompts_per_domain=args.prompts_per_domain,
+                prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
+                gamma=args.num_draft_tokens, compile=not args.no_compile,
+            )
     except ValueError as error:
         print(f"flashspec: error: {error}", file=sys.stderr)
         return 2

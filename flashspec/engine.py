@@ -12,7 +12,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .cache import CachedLM, right_align
+from .cache import StaticLM, make_lm
+from .graphs import Graphs
 from .drafters import Drafter, History, ModelDrafter, NgramDrafter
 from .models import context_window, load_model, load_tokenizer, check_no_sliding_window
 from .sampling import SamplingParams, sample
@@ -99,6 +100,8 @@ class SpeculativeEngine:
             when ``target`` is a path and this is None.
         device, dtype: where and in which precision to load models given as paths
             (default: CUDA if available else CPU; bfloat16 on CUDA, float32 on CPU).
+        compile: run decode-step forwards of Llama-family models through ``torch.compile``
+            (fuses small kernels; pays off on a GPU after a one-off compilation per shape).
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class SpeculativeEngine:
         tokenizer: Any = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        compile: bool = False,
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,9 +131,23 @@ class SpeculativeEngine:
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         if isinstance(drafters, (str, PreTrainedModel)) or isinstance(drafters, Drafter):
             drafters = [drafters]
+        self.compile = bool(compile)
         self.drafters: list[Drafter] = [self._as_drafter(d, dtype) for d in drafters]
         self.selector = make_selector(selector)
-        self._target_lm = CachedLM(self.target)
+        self._target_lm = make_lm(self.target, compile=self.compile)
+        static_on_gpu = isinstance(self._target_lm, StaticLM) and self.target.device.type == "cuda"
+        self._graphs = Graphs(enabled=static_on_gpu)
+        self._buffers: _Workspace | None = None
+
+    def _workspace(self, batch: int, capacity: int, gamma: int, num_eos: int) -> _Workspace:
+        """The decode buffers for this shape: reused when it matches the last request (so are
+        the captured graphs), replaced together with every graph when it does not."""
+        shape = (batch, capacity, gamma, num_eos)
+        reallocated = self._target_lm.reset(batch, capacity)
+        if reallocated or self._buffers is None or self._buffers.shape != shape:
+            self._graphs.clear()
+            self._buffers = _Workspace(batch, capacity, gamma, num_eos, self.target.device)
+        return self._buffers
 
     def _as_drafter(self, spec: Any, dtype: torch.dtype) -> Drafter:
         if isinstance(spec, str) and spec == "ngram":
@@ -137,7 +155,7 @@ class SpeculativeEngine:
         if isinstance(spec, str):
             spec = load_model(spec, self.device, dtype)
         if isinstance(spec, PreTrainedModel):
-            return ModelDrafter(spec, self.vocab_size)
+            return ModelDrafter(spec, self.vocab_size, compile=self.compile)
         if isinstance(spec, Drafter):
             return spec
         raise ValueError(f"Cannot use {spec!r} as a drafter: give a model, a path, 'ngram' or a Drafter.")
@@ -209,13 +227,22 @@ class SpeculativeEngine:
         eos_token_id: int | Sequence[int] | None = None,
         seed: int | None = None,
         progress: bool = False,
+        sync_every: int | None = None,
     ) -> GenerationOutput:
-        """Generate up to ``max_new_tokens`` per row; the output law is exactly the target's."""
+        """Generate up to ``max_new_tokens`` per row; the output law is exactly the target's.
+
+        ``sync_every``: check for finished rows (a device-to-host read) every this many steps;
+        default 1 on the CPU, 8 on CUDA. Steps after every row finished do no harm but cost time.
+        """
         params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}.")
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, numbers.Integral) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be an integer >= 1; got {num_draft_tokens!r}.")
+        if sync_every is None:
+            sync_every = 8 if self.device.type == "cuda" else 1
+        if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
+            raise ValueError(f"sync_every must be an integer >= 1; got {sync_every!r}.")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer or None; got {seed!r}.")
         max_new_tokens, num_draft_tokens = int(max_new_tokens), int(num_draft_tokens)
@@ -230,24 +257,31 @@ class SpeculativeEngine:
             )
         for model in [self.target] + [d.model for d in self.drafters if isinstance(d, ModelDrafter)]:
             check_no_sliding_window(model.config, longest + max_new_tokens * (num_draft_tokens + 1))
+        sync_every = int(sync_every)
 
         stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in self.drafters})
         if max_new_tokens == 0:
             return self._output([[] for _ in rows], stats)
-        run = _Run(self, rows, params, eos, max_new_tokens, num_draft_tokens, seed, limit, stats)
+        run = _Run(self, rows, params, eos, max_new_tokens, num_draft_tokens, seed, stats)
         start = time.perf_counter()
         run.prefill()
         stats.prefill_seconds = time.perf_counter() - start
+        forward_before = run.forward_seconds()
         with tqdm(total=run.budget, disable=not progress, desc="generating", unit="tok") as bar:
-            done = int(run.generated.sum())
-            bar.update(done)
-            while run.active.any():
+            # Every step commits at least one token per active row, so max_new_tokens - 1 steps
+            # finish every row; the loop reads the device only every sync_every steps.
+            for step in range(max_new_tokens - 1):
+                if step % sync_every == 0:
+                    running = run.poll()
+                    bar.update(int(run.generated.sum()) - bar.n)
+                    if not running:
+                        break
                 run.step()
-                now = int(run.generated.sum())
-                bar.update(now - done)
-                done = now
+            run.poll()
+            bar.update(int(run.generated.sum()) - bar.n)
         stats.seconds = time.perf_counter() - start
         stats.decode_seconds = stats.seconds - stats.prefill_seconds
+        stats.forward_seconds = run.forward_seconds() - forward_before
         return self._output(run.sequences(), stats)
 
     def _output(self, sequences: list[list[int]], stats: GenerationStats) -> GenerationOutput:
@@ -258,8 +292,40 @@ class SpeculativeEngine:
         return GenerationOutput(sequences, stats, text)
 
 
+class _Workspace:
+    """The device buffers of a decode loop, kept across ``generate`` calls of the same shape.
+
+    Captured CUDA graphs read and write these exact tensors, so they are filled in place for
+    each request and replaced (with every graph) only when the batch, capacity or γ changes.
+    """
+
+    def __init__(self, batch: int, capacity: int, gamma: int, num_eos: int, device: torch.device) -> None:
+        self.shape = (batch, capacity, gamma, num_eos)
+        long = dict(dtype=torch.long, device=device)
+        self.tokens = torch.zeros(batch, capacity, **long)
+        self.prompt_length = torch.zeros(batch, **long)
+        self.length = torch.zeros(batch, **long)
+        self.generated = torch.zeros(batch, **long)
+        self.max_new_tokens = torch.zeros(batch, **long)
+        self.active = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.eos = torch.full((num_eos,), -1, **long)  # -1 pads: never equal to a token
+        # Random numbers of a step: drafting [B, gamma], then verification [B, gamma + 1].
+        self.random = torch.zeros(batch, 2 * gamma + 1, dtype=torch.float64, device=device)
+        self.draft_tokens = torch.zeros(batch, gamma, **long)
+        self.draft_probs: torch.Tensor | None = None  # [B, gamma, V], allocated on first use
+        # Per-step log, read lagged: accepted drafts, rows still active, tokens committed.
+        self.log = torch.zeros(capacity + 1, 3, **long)
+        self.steps_taken = torch.zeros((), **long)
+
+
 class _Run:
-    """The state of one ``generate`` call: committed tokens, caches, counters."""
+    """The state of one ``generate`` call: committed tokens, caches, counters.
+
+    The tensors live in the engine's :class:`_Workspace` and are updated in place, so the
+    score-verify-commit work of a step can be replayed as a CUDA graph. Nothing inside a step
+    reads a tensor back to the host; :meth:`poll` does, every ``sync_every`` steps, to stop and
+    to hand statistics to the selector (lagged by up to ``sync_every`` steps).
+    """
 
     def __init__(
         self,
@@ -270,99 +336,140 @@ class _Run:
         max_new_tokens: int,
         gamma: int,
         seed: int | None,
-        limit: int | None,
         stats: GenerationStats,
     ) -> None:
         device = engine.target.device
-        self.engine, self.params, self.gamma, self.limit, self.stats = engine, params, gamma, limit, stats
-        self.max_new_tokens = max_new_tokens
+        self.engine, self.params, self.gamma, self.stats = engine, params, gamma, stats
         self.batch = len(rows)
         self.budget = self.batch * max_new_tokens
-        self.prompt_length = torch.tensor([len(r) for r in rows], device=device)
-        capacity = max(len(r) for r in rows) + max_new_tokens + gamma + 2
-        self.tokens = torch.zeros(self.batch, capacity, dtype=torch.long, device=device)
+        longest = max(len(r) for r in rows)
+        # Room for the longest row plus one step of drafts past its budget (never committed),
+        # rounded up so that requests of similar sizes share buffers and graphs.
+        capacity = -(-(longest + max_new_tokens + gamma + 2) // 256) * 256
+        ws = engine._workspace(self.batch, capacity, gamma, max(len(eos), 1))
+        self.ws = ws
+        ws.tokens.zero_()
         for b, r in enumerate(rows):
-            self.tokens[b, : len(r)] = torch.tensor(r, device=device)
-        self.length = self.prompt_length.clone()
-        self.generated = torch.zeros(self.batch, dtype=torch.long, device=device)
-        self.active = torch.ones(self.batch, dtype=torch.bool, device=device)
-        self.eos = torch.tensor(eos, dtype=torch.long, device=device)
+            ws.tokens[b, : len(r)] = torch.tensor(r, device=device)
+        ws.prompt_length.copy_(torch.tensor([len(r) for r in rows]))
+        ws.length.copy_(ws.prompt_length)
+        ws.generated.zero_()
+        ws.max_new_tokens.fill_(max_new_tokens)
+        ws.active.fill_(True)
+        ws.eos.fill_(-1)
+        ws.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
+        ws.log.zero_()
+        ws.steps_taken.zero_()
+        self.tokens, self.length, self.active, self.generated = ws.tokens, ws.length, ws.active, ws.generated
+        self.max_length = longest  # host-side upper bound on length.max()
+        self.length_limit = longest + max_new_tokens
         self.rng = torch.Generator(device=device)
         self.rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self.draft_uniforms = ws.random[:, :gamma]
+        self.verify_uniforms = ws.random[:, gamma:]
+        self.arms: list[int | None] = []  # host: the drafter chosen at each step
+        self.proposed: list[int] = []  # host: drafts per active row at each step
+        self.polled = 0  # steps already handed to the stats and the selector
         self.target = engine._target_lm
-        self.target.reset(self.batch)
+        self.graphs = engine._graphs
         for drafter in engine.drafters:
             drafter.begin(self.batch)
 
-    def uniforms(self, width: int) -> torch.Tensor:
-        return torch.rand(self.batch, width, dtype=torch.float64, generator=self.rng, device=self.tokens.device)
-
     def prefill(self) -> None:
         """Feed every prompt once and draw the first new token from the target alone."""
-        chunk, real = right_align(self.tokens, torch.zeros_like(self.length), self.length)
-        logits = self.target.append(chunk, real, logits_to_keep=1)[:, -1]
-        no_drafts = torch.zeros(self.batch, 0, dtype=torch.long, device=self.tokens.device)
-        result = verify(logits[:, None], no_drafts, None, self.params, self.uniforms(1))
-        self.commit(result.tokens, torch.zeros_like(self.length))
+        zeros = torch.zeros_like(self.length)
+        width = self.max_length
+        real = (torch.arange(width, device=self.tokens.device) < self.length[:, None]).long()
+        logits = self.target.forward(self.tokens[:, :width], zeros, real, logits_at=(self.length - 1)[:, None])
+        no_drafts = self.ws.draft_tokens[:, :0]
+        self.ws.random.uniform_(generator=self.rng)
+        result = verify(logits, no_drafts, None, self.params, self.verify_uniforms[:, :1])
+        self.commit(result.tokens, zeros)
+        self.max_length += 1
 
     def step(self) -> None:
         """One speculative step: select → propose → score → verify → commit → update."""
-        engine, stats = self.engine, self.stats
-        forward_before = self._forward_seconds()
-        k = self._draft_length()
-        arm = engine.selector.select() if engine.drafters and k > 0 else None
-        drafter = engine.drafters[arm] if arm is not None else None
-        history = History(self.tokens, self.length, self.active)
-        if drafter is not None:
-            draft = drafter.propose(history, k, self.params, self.uniforms(k))
-        else:
-            draft = None
-        draft_tokens = draft.tokens if draft is not None else self.tokens.new_zeros(self.batch, 0)
-        k = draft_tokens.shape[1]
+        engine = self.engine
+        arm = engine.selector.select() if engine.drafters else None
+        k = self.gamma if arm is not None else 0
+        ws = self.ws
+        ws.random.uniform_(generator=self.rng)
+        has_probs = False
+        if arm is not None:
+            history = History(self.tokens, self.length, self.active, len(self.arms), self.max_length)
+            draft = engine.drafters[arm].propose(history, k, self.params, self.draft_uniforms)
+            ws.draft_tokens.copy_(draft.tokens)
+            if draft.probs is not None:
+                if ws.draft_probs is None:
+                    ws.draft_probs = torch.empty_like(draft.probs)
+                ws.draft_probs.copy_(draft.probs)
+                has_probs = True
+        key = (k, has_probs, self.params)
+        self.graphs.run(key, lambda: self._score_verify_commit(k, has_probs))
+        self.arms.append(arm)
+        self.proposed.append(k)
+        self.max_length = min(self.max_length + k + 1, self.length_limit)
+
+    def _score_verify_commit(self, k: int, has_probs: bool) -> None:
+        """Score the drafts with the target, verify them, commit the result (tensor code only)."""
+        ws = self.ws
+        drafts = ws.draft_tokens[:, :k]
         pending = self.tokens.gather(1, (self.length - 1)[:, None])
-        fed = torch.cat([pending, draft_tokens], dim=1)
-        real = self.active[:, None].expand_as(fed)
-        logits = self.target.append(fed, real, logits_to_keep=k + 1)
-        result = verify(logits, draft_tokens, draft.probs if draft else None, self.params, self.uniforms(k + 1))
-        n = torch.where(self.active, result.num_accepted, 0)
-        active_rows = int(self.active.sum())
-        self.target.keep(torch.where(self.active, self.length + n, self.target.num_real))
-        stats.decode_tokens += self.commit(result.tokens, n)
-        if drafter is not None:
-            drafter.accept(n)
-            accepted = int(n.sum())
-            engine.selector.update(arm, accepted, k * active_rows)
-            per = stats.per_drafter[drafter.name]
-            per.steps += 1
-            per.proposed += k * active_rows
-            per.accepted += accepted
-            stats.proposed += k * active_rows
-            stats.accepted += accepted
+        fed = torch.cat([pending, drafts], dim=1)
+        logits = self.target.forward(fed, self.length - 1, self.active[:, None].expand_as(fed))
+        probs = ws.draft_probs[:, :k] if has_probs else None
+        result = verify(logits, drafts, probs, self.params, self.verify_uniforms[:, : k + 1])
+        accepted = torch.where(self.active, result.num_accepted, 0)
+        active_rows = self.active.sum()
+        committed = self.commit(result.tokens, accepted)
+        entry = torch.stack([accepted.sum(), active_rows, committed])
+        ws.log.index_copy_(0, ws.steps_taken.clamp(max=ws.log.shape[0] - 1)[None], entry[None])
+        ws.steps_taken += 1
+
+    def poll(self) -> bool:
+        """Read the lagged per-step log (a host synchronisation): update statistics and the
+        selector; return whether any row is still generating."""
+        steps = len(self.arms)
+        if steps > self.polled:
+            log = self.ws.log[self.polled : steps].tolist()
+            for arm, k, (accepted, active_rows, committed) in zip(
+                self.arms[self.polled :], self.proposed[self.polled :], log
+            ):
+                self._record(arm, k, accepted, active_rows, committed)
+            self.polled = steps
+        return bool(self.active.any())
+
+    def _record(self, arm: int | None, k: int, accepted: int, active_rows: int, committed: int) -> None:
+        stats = self.stats
         stats.steps += 1
         stats.row_steps += active_rows
-        stats.forward_seconds += self._forward_seconds() - forward_before
+        stats.decode_tokens += committed
+        if arm is None or active_rows == 0:
+            return
+        drafter = self.engine.drafters[arm]
+        self.engine.selector.update(arm, accepted, k * active_rows)
+        per = stats.per_drafter[drafter.name]
+        per.steps += 1
+        per.proposed += k * active_rows
+        per.accepted += accepted
+        stats.proposed += k * active_rows
+        stats.accepted += accepted
 
-    def _draft_length(self) -> int:
-        """γ, shortened so no row drafts past its length budget or the context window."""
-        active = self.active
-        room = int((self.max_new_tokens - self.generated)[active].max()) - 1
-        k = min(self.gamma, room)
-        if self.limit is not None:
-            k = min(k, int((self.limit - self.length)[active].min()))
-        return max(k, 0)
-
-    def _forward_seconds(self) -> float:
+    def forward_seconds(self) -> float:
+        """Host time inside model forwards so far (target and model drafters)."""
         total = self.target.forward_seconds
         for d in self.engine.drafters:
             lm = getattr(d, "_lm", None)
             total += lm.forward_seconds if lm is not None else 0.0
         return total
 
-    def commit(self, new_tokens: torch.Tensor, num_accepted: torch.Tensor) -> int:
-        """Append each active row's ``num_accepted + 1`` new tokens, cut at EOS and length."""
+    def commit(self, new_tokens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+        """Append each active row's ``num_accepted + 1`` new tokens, cut at EOS and length;
+        return how many tokens were committed (a device scalar)."""
         columns = torch.arange(new_tokens.shape[1], device=new_tokens.device)
-        take = torch.minimum(num_accepted + 1, self.max_new_tokens - self.generated)
-        is_eos = torch.isin(new_tokens, self.eos) & (columns < take[:, None])
+        ws = self.ws
+        take = torch.minimum(num_accepted + 1, ws.max_new_tokens - self.generated)
+        is_eos = torch.isin(new_tokens, ws.eos) & (columns < take[:, None])
         first_eos = torch.where(is_eos, columns, new_tokens.shape[1]).amin(dim=1)
         take = torch.minimum(take, first_eos + 1)
         take = torch.where(self.active, take, 0)
@@ -372,13 +479,13 @@ class _Run:
         self.tokens.scatter_(1, index, torch.where(write, new_tokens, current))
         self.length += take
         self.generated += take
-        finished = (first_eos < take) | (self.generated >= self.max_new_tokens)
+        finished = (first_eos < take) | (self.generated >= ws.max_new_tokens)
         self.active &= ~finished
-        return int(take.sum())
+        return take.sum()
 
     def sequences(self) -> list[list[int]]:
         out = []
         for b in range(self.batch):
-            start, end = int(self.prompt_length[b]), int(self.length[b])
+            start, end = int(self.ws.prompt_length[b]), int(self.length[b])
             out.append(self.tokens[b, start:end].tolist())
         return out

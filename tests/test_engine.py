@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -21,22 +22,23 @@ def llama(seed: int = 0, vocab: int = 40) -> LlamaForCausalLM:
 TARGET = llama()
 
 
-def record_forward_lengths(model):
+def record_forward_lengths(lm):
+    """Token counts of every forward of a cache wrapper (StaticLM or CachedLM)."""
     lengths = []
-    original = model.forward
+    original = lm.forward
 
-    def forward(*args, **kwargs):
-        lengths.append(kwargs["input_ids"].shape[1])
-        return original(*args, **kwargs)
+    def forward(tokens, *args, **kwargs):
+        lengths.append(tokens.shape[1])
+        return original(tokens, *args, **kwargs)
 
-    model.forward = forward
+    lm.forward = forward
     return lengths
 
 
 def test_target_forwards_are_prompt_once_then_gamma_plus_one():
     target, drafter = llama(), llama(seed=3)
-    lengths = record_forward_lengths(target)
     engine = SpeculativeEngine(target, [drafter])
+    lengths = record_forward_lengths(engine._target_lm)
     gamma = 3
     out = engine.generate([list(range(1, 21))], max_new_tokens=14, num_draft_tokens=gamma, eos_token_id=[])
     assert lengths[0] == 20  # the prefix once
@@ -47,8 +49,8 @@ def test_target_forwards_are_prompt_once_then_gamma_plus_one():
 
 def test_drafter_forwards_catch_up_without_rerunning_the_prefix():
     target, drafter = llama(), llama(seed=3)
-    lengths = record_forward_lengths(drafter)
     engine = SpeculativeEngine(target, [drafter])
+    lengths = record_forward_lengths(engine.drafters[0]._lm)
     engine.generate([list(range(1, 21))], max_new_tokens=14, num_draft_tokens=3, eos_token_id=[])
     assert lengths[0] == 21  # prompt + the first new token, once
     assert all(n <= 2 for n in lengths[1:])  # later: at most the unseen committed tokens
@@ -118,3 +120,19 @@ def test_right_padded_tensor_with_mask():
     padded = engine.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[]).sequences
     alone = engine.generate([[5, 6, 7], [9, 9, 9, 9]], max_new_tokens=6, eos_token_id=[]).sequences
     assert padded == alone
+
+
+def test_sync_every_changes_nothing_but_when_the_host_looks():
+    engine = SpeculativeEngine(TARGET, [llama(seed=5)])
+    kwargs = dict(max_new_tokens=25, do_sample=True, temperature=0.9, eos_token_id=[3], seed=2)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    a = engine.generate(prompts, sync_every=1, **kwargs)
+    b = engine.generate(prompts, sync_every=7, **kwargs)
+    assert a.sequences == b.sequences
+    assert a.stats.decode_tokens == b.stats.decode_tokens
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_sync_every_raises(bad):
+    with pytest.raises(ValueError, match="sync_every"):
+        SpeculativeEngine(TARGET, []).generate([[1, 2]], max_new_tokens=3, sync_every=bad)

@@ -69,29 +69,32 @@ def test_longer_ngram_preferred():
     assert propose(NgramDrafter(3, 1), history([row]), 3).tokens.tolist() == [[7, 5, 1]]
     # bigram [1, 2]: the most recent earlier match is at 5 -> 8, 3, 1
     assert propose(NgramDrafter(2, 1), history([row]), 3).tokens.tolist() == [[8, 3, 1]]
-    # min_ngram above every matching size: no proposal
-    assert propose(NgramDrafter(5, 4), history([row]), 3).tokens.shape == (1, 0)
+    # min_ngram above every matching size: no match, so the pending token is repeated
+    assert propose(NgramDrafter(5, 4), history([row]), 3).tokens.tolist() == [[2, 2, 2]]
 
 
 def test_falls_back_to_shorter_ngram():
     row = [4, 6, 0, 2, 8, 1, 5, 8]  # [1, 5, 8] and [5, 8] never occurred before; [8] did at 4
     assert propose(NgramDrafter(3, 1), history([row]), 3).tokens.tolist() == [[1, 5, 8]]
-    assert propose(NgramDrafter(3, 2), history([row]), 3).tokens.shape == (1, 0)
+    assert propose(NgramDrafter(3, 2), history([row]), 3).tokens.tolist() == [[8, 8, 8]]
 
 
-def test_no_match_proposes_zero_tokens():
+def test_no_match_repeats_the_pending_token():
+    # Always num_tokens drafts (shapes fixed on the host); without a match, the pending token.
     draft = propose(NgramDrafter(3, 1), history([[1, 2, 3, 4], [5, 6, 7, 8]]), 4)
-    assert draft.tokens.shape == (2, 0)
+    assert draft.tokens.tolist() == [[4, 4, 4, 4], [8, 8, 8, 8]]
     # a single committed token can match nothing
-    assert propose(NgramDrafter(3, 1), history([[7]]), 4).tokens.shape == (1, 0)
+    assert propose(NgramDrafter(3, 1), history([[7]]), 4).tokens.tolist() == [[7, 7, 7, 7]]
 
 
 def test_zero_padding_never_matches():
     # the row ends in 0, the pad value; the padding after it must not count as an occurrence
-    hist = history([[4, 0]], capacity=10)
-    assert propose(NgramDrafter(2, 1), hist, 3).tokens.shape == (1, 0)
-    hist = history([[0, 0, 0]], capacity=9)  # real zeros do match: [0, 0] at 0 -> 0
-    assert propose(NgramDrafter(2, 1), hist, 4).tokens.tolist() == [[0]]
+    hist = history([[4, 3]], capacity=10)
+    assert propose(NgramDrafter(2, 1), hist, 3).tokens.tolist() == [[3, 3, 3]]
+    hist = history([[4, 0]], capacity=10)  # no match: the pending 0 repeated, not padding read
+    assert propose(NgramDrafter(2, 1), hist, 3).tokens.tolist() == [[0, 0, 0]]
+    hist = history([[0, 0, 0]], capacity=9)  # real zeros do match: [0, 0] at 0 -> 0, then pending
+    assert propose(NgramDrafter(2, 1), hist, 4).tokens.tolist() == [[0, 0, 0, 0]]
 
 
 def test_batch_of_one_and_num_tokens_one():
@@ -103,7 +106,7 @@ def test_batch_of_one_and_num_tokens_one():
 def test_continuation_shorter_than_num_tokens():
     hist = history([[5, 6, 7, 5, 6]])  # [5, 6] at 0: followed by 7, 5, 6 (3 committed tokens)
     draft = propose(NgramDrafter(2, 1), hist, 8)
-    assert draft.tokens.tolist() == [[7, 5, 6]]
+    assert draft.tokens.tolist() == [[7, 5, 6, 6, 6, 6, 6, 6]]  # then the pending token
 
 
 def test_rows_of_different_lengths():
@@ -115,16 +118,17 @@ def test_rows_of_different_lengths():
     ]
     hist = history(rows, capacity=12)
     draft = propose(NgramDrafter(2, 1), hist, 4)
-    assert draft.tokens.shape == (4, 3)  # k = the longest proposal
-    assert draft.tokens[0].tolist() == [3, 1, 2]
-    assert draft.tokens[2].tolist() == [7, 9, 8]
-    assert draft.tokens[3, :1].tolist() == [2]
+    assert draft.tokens.shape == (4, 4)  # always num_tokens
+    assert draft.tokens[1].tolist() == [6, 6, 6, 6]  # no match: the pending token
+    assert draft.tokens[0].tolist() == [3, 1, 2, 2]
+    assert draft.tokens[2].tolist() == [7, 9, 8, 8]
+    assert draft.tokens[3].tolist() == [2, 2, 2, 2]
     assert (draft.tokens >= 0).all()
     # the same rows in another order give the same per-row proposals
     order = [2, 3, 0, 1]
     permuted = propose(NgramDrafter(2, 1), history([rows[i] for i in order], capacity=12), 4)
-    assert permuted.tokens[0].tolist() == [7, 9, 8]
-    assert permuted.tokens[2].tolist() == [3, 1, 2]
+    assert permuted.tokens[0].tolist() == [7, 9, 8, 8]
+    assert permuted.tokens[2].tolist() == [3, 1, 2, 2]
 
 
 def test_does_not_depend_on_sampling_params_or_uniforms():
@@ -189,13 +193,11 @@ def test_matches_bruteforce_reference(case):
     hist = history(rows, capacity=capacity)
     draft = propose(NgramDrafter(max_ngram, min_ngram), hist, num_tokens)
     expected = [reference(r, max_ngram, min_ngram, num_tokens) for r in rows]
-    k = max((len(e) for e in expected if e is not None), default=0)
-    assert draft.tokens.shape == (len(rows), k)
-    assert k <= num_tokens
+    assert draft.tokens.shape == (len(rows), num_tokens)
     for b, e in enumerate(expected):
-        if e is not None:
-            # every proposed token of a matching row is the history at the matched position
-            assert draft.tokens[b, : len(e)].tolist() == e, (b, rows[b])
+        # the matched continuation (if any), then the pending token repeated
+        e = e or []
+        assert draft.tokens[b].tolist() == e + [rows[b][-1]] * (num_tokens - len(e)), (b, rows[b])
     assert (draft.tokens >= 0).all()
     # the history is not modified
     assert torch.equal(hist.tokens, history(rows, capacity=capacity).tokens)

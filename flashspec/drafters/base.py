@@ -21,6 +21,12 @@ class History:
     tokens: torch.Tensor  # [B, capacity] long
     length: torch.Tensor  # [B] long
     active: torch.Tensor | None = None  # [B] bool: rows still generating (None: all of them)
+    # Host-side facts, so a drafter can size its work without reading tensors back:
+    step: int = 0  # index of this decode step in the current generate call
+    max_length: int | None = None  # an upper bound on length.max() (None: tokens.shape[1])
+
+    def length_bound(self) -> int:
+        return self.max_length if self.max_length is not None else self.tokens.shape[1]
 
 
 @dataclass
@@ -46,7 +52,7 @@ class Drafter(Protocol):
     def propose(
         self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor
     ) -> Draft:
-        """Up to ``num_tokens`` drafts per row (the same count ``k`` for every row).
+        """Exactly ``num_tokens`` drafts per row (``Draft.tokens`` is ``[B, num_tokens]``).
 
         ``uniforms [B, num_tokens]`` float64 are the random numbers for sampled drafts."""
 

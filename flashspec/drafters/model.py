@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from ..cache import CachedLM, right_align
+from ..cache import StaticLM, make_lm
+from ..graphs import Graphs
 from ..sampling import SamplingParams, probabilities, sample
 from .base import Draft, History
 
@@ -13,12 +14,15 @@ from .base import Draft, History
 class ModelDrafter:
     """Drafts autoregressively with its own KV cache (SPEC.md §4).
 
-    The cache always holds a prefix of each row's committed tokens: ``propose`` first feeds the
-    committed tokens it has not seen (one forward, however many), and ``accept`` rolls back the
-    drafts the target rejected.
+    Each ``propose`` first re-feeds the last ``W`` committed tokens of every row (``W`` covers
+    every token the cache has not seen, bounded on the host: 2 when this drafter also drafted
+    the previous step, the whole prompt the first time), then drafts one token per forward.
+    With a :class:`~flashspec.cache.StaticLM` on CUDA the whole proposal is one CUDA graph.
     """
 
-    def __init__(self, model: PreTrainedModel, target_vocab_size: int, name: str | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, target_vocab_size: int, name: str | None = None, compile: bool = False
+    ) -> None:
         vocab = model.config.vocab_size
         if vocab != target_vocab_size:
             raise ValueError(
@@ -27,41 +31,78 @@ class ModelDrafter:
             )
         self.model = model.eval()
         self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
-        self._lm = CachedLM(self.model)
-        self._base = torch.zeros(0, dtype=torch.long)
-        self._k = 0
+        self._lm = make_lm(self.model, compile=compile)
+        static_on_gpu = isinstance(self._lm, StaticLM) and self.model.device.type == "cuda"
+        self._graphs = Graphs(enabled=static_on_gpu)
+        self._seen_through: int | None = None  # History.max_length once the last proposal's step ends
+        self._graph_inputs: tuple[int, ...] = ()
 
     def begin(self, batch_size: int) -> None:
-        self._lm.reset(batch_size)
+        self._seen_through = None
+
+    def _window(self, history: History) -> int:
+        """How many trailing committed tokens to re-feed so the cache misses none."""
+        bound = history.length_bound()
+        if self._seen_through is None:
+            return bound
+        # After drafting in a step, at most 2 committed tokens are unseen (the last draft, never
+        # fed, and the target's token); each later step adds at most its length growth.
+        return max(1, min(bound, 2 + bound - self._seen_through))
 
     def propose(
         self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor
     ) -> Draft:
         device = self.model.device
-        tokens = history.tokens.to(device)
-        length = history.length.to(device)
-        chunk, real = right_align(tokens, self._lm.num_real, length)
-        logits = self._lm.append(chunk, real, logits_to_keep=1)[:, -1]
-        # Finished rows feed their drafts as holes: their positions may lie past the context window.
-        active = history.active if history.active is not None else torch.ones_like(length, dtype=torch.bool)
-        live = active.to(device)[:, None].long()
+        if history.tokens.device != device:
+            raise ValueError("A model drafter must live on the same device as the target.")
+        first = self._seen_through is None
+        active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
+        if first:
+            replaced = self._lm.reset(history.tokens.shape[0], history.tokens.shape[1])
+            inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, active, uniforms))
+            if replaced or inputs != self._graph_inputs:  # graphs read fixed buffers: drop stale ones
+                self._graphs.clear()
+                self._graph_inputs = inputs
+        window = self._window(history)
+        self._seen_through = history.length_bound() + num_tokens + 1
+        # The first proposal (the whole prompt) happens once per request: not worth a graph.
+        key = None if first else (window, num_tokens, params)
+        tokens, probs = self._graphs.run(
+            key, lambda: self._draft(history.tokens, history.length, active, uniforms, window, num_tokens, params)
+        )
+        return Draft(tokens, probs)
+
+    def _draft(
+        self,
+        history: torch.Tensor,
+        length: torch.Tensor,
+        active: torch.Tensor,
+        uniforms: torch.Tensor,
+        window: int,
+        num_tokens: int,
+        params: SamplingParams,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pure tensor code (no host reads), so it can be captured as a graph."""
+        capacity = history.shape[1]
+        start = (length - window).clamp(min=0)
+        index = start[:, None] + torch.arange(window, device=length.device)
+        real = index < length[:, None]
+        fed = history.gather(1, index.clamp(max=capacity - 1))
+        logits = self._lm.forward(fed, start, real, logits_at=(length - 1 - start)[:, None])[:, 0]
+        live = active[:, None]  # finished rows draft as holes (their positions may pass the window)
         drafted, laws = [], []
         for i in range(num_tokens):
             if params.do_sample:
                 q = probabilities(logits, params)
-                token = sample(q, uniforms[:, i].to(device))
+                token = sample(q, uniforms[:, i])
                 laws.append(q)
             else:
                 token = logits.float().argmax(dim=-1)
             drafted.append(token)
             if i + 1 < num_tokens:
-                logits = self._lm.append(token[:, None], live, 1)[:, -1]
-        self._base, self._k = length.clone(), num_tokens  # history.length changes in place
-        out_device = history.tokens.device
-        probs = torch.stack(laws, dim=1).to(out_device) if laws else None
-        return Draft(torch.stack(drafted, dim=1).to(out_device), probs)
+                logits = self._lm.forward(token[:, None], length + i, live)[:, 0]
+        probs = torch.stack(laws, dim=1) if laws else None
+        return torch.stack(drafted, dim=1), probs
 
     def accept(self, num_accepted: torch.Tensor) -> None:
-        # The last draft was never fed, so at most k - 1 drafts are in the cache.
-        kept = torch.clamp(num_accepted.to(self._base.device), max=max(self._k - 1, 0))
-        self._lm.keep(self._base + kept)
+        pass  # the next proposal re-feeds what the cache lacks

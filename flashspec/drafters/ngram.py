@@ -13,7 +13,8 @@ class NgramDrafter:
     ``max_ngram`` down to ``min_ngram``) and proposes the tokens that followed it.
 
     The proposal is a deterministic function of the context, so it carries no ``q`` and is
-    verified with one-hot ``q`` (SPEC.md §2). All rows are searched at once with tensor ops.
+    verified with one-hot ``q`` (SPEC.md §2). All rows are searched at once with tensor ops, and
+    nothing is read back to the host.
     """
 
     name = "ngram"
@@ -49,8 +50,9 @@ class NgramDrafter:
             take = (follow < 0) & (latest >= 0)
             follow = torch.where(take, latest + n, follow)
         available = torch.where(follow >= 0, length - follow, 0).clamp(max=num_tokens)
-        k = int(available.max()) if batch else 0
-        offsets = torch.arange(k, device=device)
+        # Always num_tokens drafts (shapes known on the host, no read-back); past what the match
+        # offers, repeat the pending token — a guess verified like any other.
+        offsets = torch.arange(num_tokens, device=device)
         index = (follow.clamp(min=0)[:, None] + offsets).clamp(max=capacity - 1)
         pending = tokens.gather(1, (length - 1)[:, None])
         drafts = torch.where(offsets < available[:, None], tokens.gather(1, index), pending)

@@ -1,0 +1,354 @@
+"""The GPU benchmark: one run that checks, times and reports everything the GPU issue asks for.
+
+``flashspec bench gpu`` runs, in one process on one GPU:
+
+1. the device's copy bandwidth (the ceiling every "fraction of bandwidth" below refers to);
+2. the verification kernels against the PyTorch reference over a grid of shapes
+   (:mod:`flashspec.bench_kernels`);
+3. end to end at batch 1, for each target given: target-only decoding against its HBM roofline
+   (weight + KV bytes per token over the copy bandwidth), speculative decoding with its drafter,
+   the share of a speculative step spent outside the model forwards, greedy drift in bf16 and
+   token-for-token equality in float32.
+
+Models are real checkpoints (``--target``/``--drafter``) and/or random-weight models of real
+shapes (``--shaped llama3-8b``): a forward's time does not depend on the weights' values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .bench import DOMAINS, heldout_prompts
+from .cache import StaticLM
+from .engine import SpeculativeEngine
+from .graphs import Graphs
+
+SHAPES = {
+    # Llama-3-8B and Llama-3.2-1B shapes (public configs); random weights.
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
+                      tie_word_embeddings=True),
+}
+
+
+def shaped_model(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Any:
+    """A random-weight Llama of a real model's shape, built directly on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[name], attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def weight_bytes_per_token(model: Any) -> int:
+    """Bytes of weights one decode step must read: every parameter once, except the input
+    embedding table, of which a step reads one row (when it is tied to the output head, the
+    head reads it all, and it is counted once)."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if p is embedding and p is not head:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(model: Any, context: float) -> float:
+    """Bytes of keys and values a decode step reads at ``context`` tokens of context."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    return per_position * context * next(model.parameters()).element_size()
+
+
+def time_forward(lm: StaticLM, batch: int, width: int, context: int, iters: int = 50) -> float:
+    """Median seconds of one graph-replayed forward of ``width`` tokens after ``context``."""
+    device = lm.model.device
+    lm.reset(batch, context + width + 1)
+    tokens = torch.randint(0, lm.model.config.vocab_size, (batch, width), device=device)
+    start = torch.full((batch,), context, dtype=torch.long, device=device)
+    graphs = Graphs(enabled=True)
+    for _ in range(2):
+        graphs.run("forward", lambda: lm.forward(tokens, start))
+    times = []
+    for _ in range(iters):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graphs.run("forward", lambda: lm.forward(tokens, start))
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def _decode(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens: int, **kwargs: Any) -> dict:
+    """Decode each prompt alone (batch 1); tokens/s per prompt, stats and the outputs."""
+    rates, steps, decode_seconds, outputs, accepted, proposed = [], 0, 0.0, [], 0, 0
+    for prompt in prompts:
+        torch.cuda.synchronize()
+        out = engine.generate([prompt], max_new_tokens=max_new_tokens, eos_token_id=[], **kwargs)
+        s = out.stats
+        rates.append(s.decode_tokens / s.decode_seconds)
+        steps += s.steps
+        decode_seconds += s.decode_seconds
+        accepted += s.accepted
+        proposed += s.proposed
+        outputs.append(out.sequences[0])
+    return {
+        "tokens_per_second_median": statistics.median(rates),
+        "tokens_per_second_min": min(rates),
+        "tokens_per_second_max": max(rates),
+        "step_seconds": decode_seconds / steps,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_tokens_per_step": sum(len(o) - 1 for o in outputs) / steps,
+        "outputs": outputs,
+    }
+
+
+def _hf_generate_rate(model: Any, prompt: list[int], max_new_tokens: int) -> float:
+    ids = torch.tensor([prompt], device=model.device)
+    model.generate(ids, max_new_tokens=8, do_sample=False)
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+    torch.cuda.synchronize()
+    return (out.shape[1] - len(prompt)) / (time.perf_counter() - begin)
+
+
+def _drift(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How many outputs differ, and where the first difference falls."""
+    firsts = [next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), None) for u, v in zip(a, b)]
+    differing = [f for f in firsts if f is not None]
+    return {"prompts": len(a), "differing": len(differing), "first_difference": differing}
+
+
+def bench_pair(
+    name: str,
+    target: Any,
+    drafter: Any,
+    prompts: dict[str, list[list[int]]],
+    copy_bandwidth: float,
+    *,
+    max_new_tokens: int,
+    gamma: int,
+    compile: bool,
+    temperatures: tuple[float, ...] = (0.0,),
+    hf_baseline: bool = False,
+) -> dict[str, Any]:
+    """Target-only vs speculative for one target/drafter pair on prompts by domain."""
+    result: dict[str, Any] = {"name": name, "gamma": gamma, "compile": compile, "max_new_tokens": max_new_tokens}
+    baseline = SpeculativeEngine(target, [], compile=compile)
+    speculative = SpeculativeEngine(target, [drafter] if drafter is not None else [], compile=compile)
+    warm = next(iter(prompts.values()))[0]
+    started = time.perf_counter()
+    for engine in (baseline, speculative):  # compile and capture outside the timings
+        for t in temperatures:
+            engine.generate([warm], max_new_tokens=max_new_tokens, num_draft_tokens=gamma, eos_token_id=[],
+                            do_sample=t > 0, temperature=t or 1.0, seed=0)
+    result["warmup_seconds"] = time.perf_counter() - started
+
+    context = statistics.mean(len(p) for ps in prompts.values() for p in ps) + max_new_tokens / 2
+    weights = weight_bytes_per_token(target)
+    per_token = weights + kv_bytes_per_token(target, context)
+    result["bytes_per_token"] = {"weights": weights, "kv_at_mean_context": per_token - weights, "mean_context": context}
+    result["roofline_tokens_per_second"] = copy_bandwidth / per_token
+
+    rows = []
+    for domain, domain_prompts in prompts.items():
+        for t in temperatures:
+            sampling = dict(do_sample=t > 0, temperature=t or 1.0, seed=0)
+            base = _decode(baseline, domain_prompts, max_new_tokens, **sampling)
+            spec = _decode(speculative, domain_prompts, max_new_tokens, num_draft_tokens=gamma, **sampling)
+            row = {
+                "domain": domain, "temperature": t, "prompts": len(domain_prompts),
+                "target_only": {k: v for k, v in base.items() if k != "outputs"},
+                "speculative": {k: v for k, v in spec.items() if k != "outputs"},
+                "speedup": spec["tokens_per_second_median"] / base["tokens_per_second_median"],
+            }
+            row["target_only"]["roofline_fraction"] = base["tokens_per_second_median"] / result["roofline_tokens_per_second"]
+            if t == 0:
+                row["greedy_drift"] = _drift(base["outputs"], spec["outputs"])
+            rows.append(row)
+    result["rows"] = rows
+
+    # Step anatomy: the forwards alone (graph replays) against a measured speculative step.
+    lm_target = baseline._target_lm
+    context_int = int(context)
+    fwd = {"target_1": time_forward(lm_target, 1, 1, context_int),
+           f"target_{gamma + 1}": time_forward(lm_target, 1, gamma + 1, context_int)}
+    if drafter is not None and isinstance(speculative.drafters[0]._lm, StaticLM):
+        lm_draft = speculative.drafters[0]._lm
+        fwd["drafter_1"] = time_forward(lm_draft, 1, 1, context_int)
+        fwd["drafter_2"] = time_forward(lm_draft, 1, 2, context_int)
+    result["forward_seconds"] = fwd
+    greedy = [r for r in rows if r["temperature"] == 0]
+    if greedy:
+        base_step = statistics.mean(r["target_only"]["step_seconds"] for r in greedy)
+        result["target_only_overhead"] = 1 - fwd["target_1"] / base_step
+        if "drafter_1" in fwd:
+            spec_step = statistics.mean(r["speculative"]["step_seconds"] for r in greedy)
+            inside = fwd[f"target_{gamma + 1}"] + fwd["drafter_2"] + (gamma - 1) * fwd["drafter_1"]
+            result["speculative_step_seconds"] = spec_step
+            result["speculative_forwards_seconds"] = inside
+            result["speculative_overhead"] = 1 - inside / spec_step
+    if hf_baseline:
+        result["hf_generate_eager_tokens_per_second"] = _hf_generate_rate(target, warm, 64)
+    return result
+
+
+def float32_equality(target_spec: Any, drafter_spec: Any, prompts: list[list[int]], max_new_tokens: int,
+                     gamma: int, loader: Any) -> dict:
+    """Greedy speculative vs target-only outputs with float32 models: expected identical."""
+    target, drafter = loader(target_spec, torch.float32), loader(drafter_spec, torch.float32)
+    base = SpeculativeEngine(target, [])
+    spec = SpeculativeEngine(target, [drafter])
+    a = [base.generate([p], max_new_tokens=max_new_tokens, eos_token_id=[]).sequences[0] for p in prompts]
+    b = [spec.generate([p], max_new_tokens=max_new_tokens, num_draft_tokens=gamma, eos_token_id=[]).sequences[0]
+         for p in prompts]
+    del target, drafter, base, spec
+    torch.cuda.empty_cache()
+    return _drift(a, b)
+
+
+def run(
+    out_dir: Path,
+    *,
+    target: str | None,
+    drafter: str | None,
+    corpus: Path | None,
+    shaped: tuple[str, ...] = ("llama3-8b",),
+    kernels: bool = True,
+    prompts_per_domain: int = 4,
+    prompt_tokens: int = 256,
+    max_new_tokens: int = 256,
+    gamma: int = 4,
+    compile: bool = True,
+) -> dict[str, Any]:
+    """Everything, in one process; writes ``gpu.json`` and ``gpu.md`` into ``out_dir``."""
+    from . import bench_kernels
+    from .models import load_model, load_tokenizer
+
+    if not torch.cuda.is_available():
+        raise ValueError("flashspec bench gpu needs a CUDA GPU.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    results: dict[str, Any] = {
+        "machine": {"gpu": props.name, "multiprocessors": props.multi_processor_count, "torch": torch.__version__,
+                    "platform": platform.platform(), "created": time.strftime("%Y-%m-%d %H:%M:%S")},
+        "settings": {"prompts_per_domain": prompts_per_domain, "prompt_tokens": prompt_tokens,
+                     "max_new_tokens": max_new_tokens, "gamma": gamma, "compile": compile},
+    }
+    try:
+        import triton
+
+        results["machine"]["triton"] = triton.__version__
+    except ImportError:
+        results["machine"]["triton"] = None
+    copy_bw = bench_kernels.measure_copy_bandwidth("cuda")
+    results["copy_bandwidth_bytes_per_second"] = copy_bw
+    print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s", flush=True)
+    save = lambda: (out_dir / "gpu.json").write_text(json.dumps(results, indent=1))  # noqa: E731
+    if kernels:
+        results["kernels"] = bench_kernels.bench_verify("cuda")
+        save()
+        print(bench_kernels.format_table(results["kernels"], copy_bw), flush=True)
+
+    results["pairs"] = []
+    if target is not None:
+        load = lambda spec, dtype: load_model(spec, "cuda", dtype)  # noqa: E731
+        tokenizer = load_tokenizer(target)
+        prompts = {d: heldout_prompts(corpus, d, prompts_per_domain, prompt_tokens, tokenizer) for d in DOMAINS}
+        t_model, d_model = load(target, torch.bfloat16), load(drafter, torch.bfloat16) if drafter else None
+        pair = bench_pair(Path(target).stem, t_model, d_model, prompts, copy_bw, max_new_tokens=max_new_tokens,
+                          gamma=gamma, compile=compile, temperatures=(0.0, 0.7), hf_baseline=True)
+        del t_model, d_model
+        torch.cuda.empty_cache()
+        if drafter:
+            few = [p for ps in prompts.values() for p in ps[:2]]
+            pair["float32_greedy"] = float32_equality(target, drafter, few, 64, gamma, load)
+        results["pairs"].append(pair)
+        save()
+        print(summarize(results), flush=True)
+    for name in shaped:
+        t_model = shaped_model(name)
+        d_model = shaped_model("llama3-1b", seed=1)
+        vocab = t_model.config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        prompts = {"random": [torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist() for _ in range(2)]}
+        pair = bench_pair(name, t_model, d_model, prompts, copy_bw, max_new_tokens=max_new_tokens,
+                          gamma=gamma, compile=compile)
+        pair["note"] = "random weights: acceptance is meaningless; forward and step costs are real"
+        results["pairs"].append(pair)
+        del t_model, d_model
+        torch.cuda.empty_cache()
+        save()
+    save()
+    (out_dir / "gpu.md").write_text(summarize(results) + "\n")
+    print(summarize(results), flush=True)
+    return results
+
+
+def summarize(results: dict[str, Any]) -> str:
+    """Markdown tables of the end-to-end results (the kernel table is bench_kernels')."""
+    bw = results["copy_bandwidth_bytes_per_second"]
+    lines = [f"Copy bandwidth (measured in this run): **{bw / 1e12:.2f} TB/s** on {results['machine']['gpu']}.", ""]
+    for pair in results.get("pairs", []):
+        lines += [
+            f"### {pair['name']} (γ = {pair['gamma']}, compile = {pair['compile']}, "
+            f"{pair['max_new_tokens']} new tokens, batch 1)",
+            "",
+            f"Roofline: {pair['bytes_per_token']['weights'] / 1e9:.2f} GB of weights + "
+            f"{pair['bytes_per_token']['kv_at_mean_context'] / 1e6:.1f} MB of KV per token → "
+            f"**{pair['roofline_tokens_per_second']:.0f} tokens/s**.",
+            "",
+            "| domain | T | target-only tok/s | of roofline | speculative tok/s | speedup | tokens/step | acceptance | greedy drift |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in pair["rows"]:
+            base, spec = r["target_only"], r["speculative"]
+            drift = r.get("greedy_drift")
+            drift_text = f"{drift['differing']}/{drift['prompts']}" if drift else "—"
+            accept = f"{spec['acceptance_rate']:.2f}" if spec["acceptance_rate"] is not None else "—"
+            lines.append(
+                f"| {r['domain']} | {r['temperature'] or 'greedy'} | {base['tokens_per_second_median']:.0f} | "
+                f"{base['roofline_fraction']:.0%} | {spec['tokens_per_second_median']:.0f} | {r['speedup']:.2f}× | "
+                f"{spec['mean_tokens_per_step']:.2f} | {accept} | {drift_text} |"
+            )
+        fwd = pair.get("forward_seconds", {})
+        lines.append("")
+        lines.append("Forward alone (graph replay): " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in fwd.items()) + ".")
+        if "target_only_overhead" in pair:
+            lines.append(f"Target-only step outside the forward: {pair['target_only_overhead']:.1%}.")
+        if "speculative_overhead" in pair:
+            lines.append(
+                f"Speculative step {pair['speculative_step_seconds'] * 1e3:.3f} ms, of which forwards "
+                f"{pair['speculative_forwards_seconds'] * 1e3:.3f} ms: **{pair['speculative_overhead']:.1%} outside the "
+                "model forwards**."
+            )
+        if "hf_generate_eager_tokens_per_second" in pair:
+            lines.append(f"Hugging Face `generate()` (eager, same model): {pair['hf_generate_eager_tokens_per_second']:.0f} tokens/s.")
+        if "float32_greedy" in pair:
+            f = pair["float32_greedy"]
+            lines.append(f"float32 greedy, speculative vs target-only: {f['prompts'] - f['differing']}/{f['prompts']} identical.")
+        if "note" in pair:
+            lines.append(f"_{pair['note']}_")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""Replaying a step's GPU work as one CUDA graph instead of hundreds of kernel launches.
+
+A decode step at batch 1 launches hundreds of small kernels; on a fast GPU, launching them from
+Python costs more than running them. :class:`Graphs` runs a tensor function eagerly the first
+time it sees a key (that call *is* the real work: lazy initialisation and Triton compilation
+happen there), captures it into a CUDA graph right after, and replays the graph on every later
+call with that key.
+
+The function must read and write only tensors whose storage outlives the graph (persistent
+buffers, updated in place), must not read values back to the host, and must depend on Python
+values only through the key. Captured outputs are the graph's own static tensors: they are
+overwritten by the next replay of the same key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+__all__ = ["Graphs"]
+
+
+class Graphs:
+    """Capture-on-second-use CUDA graphs keyed by the caller; plain calls when disabled."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if enabled else None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable | None, fn: Callable[[], Any]) -> Any:
+        """``fn()``, replayed from a CUDA graph when one was captured for ``key`` (never
+        captured when ``key`` is None)."""
+        if not self.enabled or key is None:
+            return fn()
+        entry = self._graphs.get(key)
+        if entry is not None:
+            graph, outputs = entry
+            graph.replay()
+            return outputs
+        result = fn()  # the real work of this call, eagerly; warms up kernels and libraries
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = fn()  # recorded, not executed
+        self._graphs[key] = (graph, outputs)
+        return result
+
+    def clear(self) -> None:
+        """Drop every captured graph (their buffers go with them)."""
+        self._graphs.clear()

@@ -1,0 +1,104 @@
+"""SPEC.md §7 on a CUDA GPU: the decode loop that never waits on the host.
+
+Skipped without CUDA (CI has none); run on the GPU machine with ``pytest tests/test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from flashspec import SpeculativeEngine
+from flashspec.cache import StaticLM
+from flashspec.engine import DrafterStats, GenerationStats, _Run
+from flashspec.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def tiny(arch: str, seed: int, dtype: torch.dtype = torch.float32, vocab: int = 96):
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, tie_word_embeddings=False)
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch](**common)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt], device="cuda")
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("gamma", [1, 4])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
+def test_graphs_greedy_matches_hf_generate_float32(arch, gamma, drafter):
+    target = tiny(arch, 0)
+    drafters = {"model": [tiny(arch, 1)], "ngram": ["ngram"], "none": []}[drafter]
+    engine = SpeculativeEngine(target, drafters)
+    assert isinstance(engine._target_lm, StaticLM) and engine._graphs.enabled
+    out = engine.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=gamma, eos_token_id=[])
+    expected = [hf_greedy(target, p, 24) for p in PROMPTS]
+    assert out.sequences == expected
+    again = engine.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=gamma, eos_token_id=[])  # replays
+    assert again.sequences == expected
+    assert len(engine._graphs) >= 1
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_graph_replays_equal_eager_steps(do_sample):
+    """Same seed, same tokens with and without CUDA graphs (sampling included)."""
+    kwargs = dict(max_new_tokens=40, num_draft_tokens=3, eos_token_id=[], do_sample=do_sample, temperature=0.8,
+                  seed=5)
+    target, draft = tiny("llama", 0, torch.bfloat16), tiny("llama", 1, torch.bfloat16)
+    graphed = SpeculativeEngine(target, [draft])
+    eager = SpeculativeEngine(target, [draft])
+    eager._graphs.enabled = False
+    eager.drafters[0]._graphs.enabled = False
+    a = graphed.generate(PROMPTS, **kwargs).sequences
+    b = graphed.generate(PROMPTS, **kwargs).sequences  # now from graph replays
+    c = eager.generate(PROMPTS, **kwargs).sequences
+    assert a == b == c
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(do_sample=True, temperature=0.7),
+                                    SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, top_k=20)])
+def test_steady_state_steps_do_not_synchronise(drafter, params):
+    """After warm-up (capture), a decode step issues no device-to-host synchronisation."""
+    target = tiny("llama", 0, torch.bfloat16)
+    drafters = {"model": [tiny("llama", 1, torch.bfloat16)], "ngram": ["ngram"], "none": []}[drafter]
+    engine = SpeculativeEngine(target, drafters)
+    stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in engine.drafters})
+    run = _Run(engine, PROMPTS, params, [], 64, 4, 0, stats)
+    run.prefill()
+    for _ in range(3):  # eager first calls and graph captures
+        run.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            run.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert run.poll() in (True, False)
+    assert stats.steps == 11
+
+
+def test_sync_every_does_not_change_output():
+    target, draft = tiny("llama", 0), tiny("llama", 1)
+    engine = SpeculativeEngine(target, [draft])
+    kwargs = dict(max_new_tokens=30, num_draft_tokens=3, eos_token_id=[5], do_sample=True, seed=3)
+    a = engine.generate(PROMPTS, sync_every=1, **kwargs).sequences
+    b = engine.generate(PROMPTS, sync_every=16, **kwargs).sequences
+    assert a == b
