@@ -33,23 +33,31 @@ from .engine import SpeculativeEngine
 from .graphs import Graphs
 
 SHAPES = {
-    # Llama-3-8B and Llama-3.2-1B shapes (public configs); random weights.
+    # Llama-3-8B, Llama-3.2-1B and Qwen2.5-1.5B/0.5B shapes (public configs); random weights.
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
     "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
                       tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+                         max_position_embeddings=32768, tie_word_embeddings=True, use_sliding_window=False),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+                         max_position_embeddings=32768, tie_word_embeddings=True, use_sliding_window=False),
 }
 
 
 def shaped_model(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Any:
-    """A random-weight Llama of a real model's shape, built directly on ``device``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-weight model of a real model's shape, built directly on ``device``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    config = LlamaConfig(**SHAPES[name], attn_implementation="sdpa")
+    shape = dict(SHAPES[name])
+    kind = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.pop("model_type", "llama")]
+    config = kind(**shape, attn_implementation="sdpa")
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.generation_config.eos_token_id = None
     return model.eval()
 
@@ -62,9 +70,9 @@ def weight_bytes_per_token(model: Any) -> int:
     head = model.get_output_embeddings().weight
     seen, total = set(), 0
     for p in model.parameters():
-        if p.data_ptr() in seen:
+        if id(p) in seen:
             continue
-        seen.add(p.data_ptr())
+        seen.add(id(p))
         if p is embedding and p is not head:
             continue
         total += p.numel() * p.element_size()

@@ -64,7 +64,15 @@ class StaticLM:
         self.values: list[torch.Tensor] = []
         self.qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.base.layers]
         self.gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.base.layers]
-        self._compiled = torch.compile(self._forward, dynamic=False) if compile else None
+        self._compiled = None
+        if compile:
+            # One compilation per (model, token count, logits_at or not); dynamo counts them per
+            # code object, shared by every StaticLM, so the default limit of 8 is too low.
+            config = torch._dynamo.config
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(config, name):
+                    setattr(config, name, max(getattr(config, name), 64))
+            self._compiled = torch.compile(self._forward, dynamic=False)
 
     @classmethod
     def supports(cls, model: PreTrainedModel) -> bool:
@@ -123,9 +131,8 @@ class StaticLM:
         # Query heads h = kv * groups + g share key head kv: fold the groups into the query axis.
         query_positions = positions[:, None, :].expand(batch, groups, width).reshape(batch, 1, groups * width, 1)
         visible = torch.arange(self.capacity, device=device) <= query_positions  # [B, 1, G*q, capacity]
-        rows = torch.arange(batch, device=device)[:, None, None]
-        kv_index = torch.arange(kv_heads, device=device)[None, :, None]
-        slots = positions[:, None, :]
+        # Where this forward's keys and values go: [B, H_kv, q, D] indices along the position axis.
+        slots = positions[:, None, :, None].expand(batch, kv_heads, width, dim)
 
         x = self.base.embed_tokens(tokens)
         cos, sin = self.base.rotary_emb(x, positions)
@@ -138,11 +145,11 @@ class StaticLM:
             if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            self.keys[i][rows, kv_index, slots] = k
-            self.values[i][rows, kv_index, slots] = v.view(batch, width, kv_heads, dim).transpose(1, 2)
+            self.keys[i].scatter_(2, slots, k)
+            self.values[i].scatter_(2, slots, v.view(batch, width, kv_heads, dim).transpose(1, 2))
             q = q.reshape(batch, kv_heads, groups * width, dim)
             out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling)
-            out = out.view(batch, heads, width, dim).transpose(1, 2).reshape(batch, width, heads * dim)
+            out = out.reshape(batch, heads, width, dim).transpose(1, 2).reshape(batch, width, heads * dim)
             x = x + attn.o_proj(out)
             gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)

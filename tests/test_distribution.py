@@ -8,6 +8,7 @@ with FlashSpec's sampling code, so a bug there cannot hide behind a shared imple
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import numpy as np
@@ -89,8 +90,19 @@ def chi_square_pvalue(samples: np.ndarray, law: np.ndarray) -> float:
     return chi2_pvalue(observed, law.ravel())
 
 
-def run(drafter, temperature, top_k=0, top_p=1.0, gamma=3, seed=1234) -> np.ndarray:
-    engine = SpeculativeEngine(TARGET, [drafter] if drafter is not None else [])
+# On a GPU machine the engine is also tested on CUDA: static cache, CUDA graphs, Triton verify.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def on(device: str, model):
+    """``model`` on ``device`` (a copy on CUDA; drafter names and objects pass through)."""
+    if device == "cpu" or not isinstance(model, torch.nn.Module):
+        return model
+    return copy.deepcopy(model).to(device)
+
+
+def run(drafter, temperature, top_k=0, top_p=1.0, gamma=3, seed=1234, device="cpu") -> np.ndarray:
+    engine = SpeculativeEngine(on(device, TARGET), [on(device, drafter)] if drafter is not None else [])
     out = engine.generate(
         [PROMPT] * SAMPLES,
         max_new_tokens=5,
@@ -129,9 +141,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("drafter,temperature,top_k,top_p,gamma", CASES)
-def test_engine_samples_the_exact_target_law(drafter, temperature, top_k, top_p, gamma):
-    samples, run_stats = run(DRAFTERS[drafter](), temperature, top_k, top_p, gamma)
+def test_engine_samples_the_exact_target_law(drafter, temperature, top_k, top_p, gamma, device):
+    samples, run_stats = run(DRAFTERS[drafter](), temperature, top_k, top_p, gamma, device=device)
     pvalue = chi_square_pvalue(samples, exact_law(temperature, top_k, top_p))
     assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: output law differs from the target's"
     if drafter == "self":
@@ -182,7 +195,7 @@ class ConstantDrafter:
         pass
 
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms) -> Draft:
-        return Draft(torch.zeros(history.tokens.shape[0], num_tokens, dtype=torch.long), None)
+        return Draft(torch.zeros(history.tokens.shape[0], num_tokens, dtype=torch.long, device=history.tokens.device), None)
 
     def accept(self, num_accepted) -> None:
         pass
