@@ -1,22 +1,34 @@
 """Verification of drafted tokens against the target: the exact speculative-sampling rule.
 
-One public function, :func:`verify`. The reference backend below is pure PyTorch, batched over
-rows with tensor operations only (no Python loop over rows, no device-to-host synchronisation),
-so it runs on every device. SPEC.md §2 step 4 is the contract; faster backends (Triton, a later
-issue) sit behind the same signature.
+One public function, :func:`verify`, with two backends behind the same signature and result:
+
+* ``"reference"`` (below): pure PyTorch, batched over rows with tensor operations only (no
+  Python loop over rows, no device-to-host synchronisation), so it runs on every device;
+* ``"triton"`` (:mod:`flashspec.verify_triton`): two fused kernels that read the logits once.
+
+SPEC.md §2 step 4 is the contract both follow. ``backend="auto"`` picks Triton for CUDA logits
+when Triton imports, else the reference; the environment variable ``FLASHSPEC_VERIFY_BACKEND``
+(``reference`` or ``triton``) overrides that choice.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from .sampling import SamplingParams, probabilities, sample
 
-__all__ = ["VerifyResult", "verify"]
+__all__ = ["BACKENDS", "VerifyResult", "verify"]
 
-BACKENDS = ("reference",)
+BACKENDS = ("auto", "reference", "triton")
+"""Names accepted by ``verify(..., backend=...)``."""
+
+BACKEND_ENV = "FLASHSPEC_VERIFY_BACKEND"
+"""Environment variable that overrides ``backend="auto"`` (``reference`` or ``triton``)."""
+
+_NO_TRITON = "The Triton verify backend needs Triton: pip install 'flashspec[gpu]' (Linux only)."
 
 
 @dataclass
@@ -35,7 +47,7 @@ def verify(
     params: SamplingParams,
     uniforms: torch.Tensor | None = None,
     *,
-    backend: str = "reference",
+    backend: str = "auto",
 ) -> VerifyResult:
     """Accept a prefix of the drafts and emit one more token, exactly per SPEC.md §2.
 
@@ -48,16 +60,80 @@ def verify(
         params: the sampling parameters (greedy when ``params.do_sample`` is False).
         uniforms: ``[B, k+1]`` float64 in ``[0, 1)``: ``[:, i]`` tests draft ``i``, ``[:, k]``
             draws the final token. Required when sampling; ignored for greedy.
-        backend: only ``"reference"`` in this release.
+        backend: ``"auto"`` (Triton for CUDA logits when Triton imports, else the reference;
+            overridden by ``$FLASHSPEC_VERIFY_BACKEND``), ``"reference"`` or ``"triton"``.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"Unknown verify backend {backend!r}; available: {', '.join(BACKENDS)}.")
+    chosen = _choose_backend(backend, target_logits)
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must have shape [B, k]; got {tuple(draft_tokens.shape)}.")
     batch, k = draft_tokens.shape
-    if target_logits.shape[:2] != (batch, k + 1):
+    if target_logits.dim() != 3 or target_logits.shape[:2] != (batch, k + 1):
         raise ValueError(
             f"target_logits must have shape [B, k+1, V] = [{batch}, {k + 1}, V] for drafts of "
             f"shape {tuple(draft_tokens.shape)}; got {tuple(target_logits.shape)}."
         )
+    vocab = target_logits.shape[2]
+    if draft_probs is not None and tuple(draft_probs.shape) != (batch, k, vocab):
+        raise ValueError(
+            f"draft_probs must have shape [B, k, V] = [{batch}, {k}, {vocab}]; "
+            f"got {tuple(draft_probs.shape)}."
+        )
+    if params.do_sample and (uniforms is None or uniforms.shape != (batch, k + 1)):
+        raise ValueError(f"Sampling needs uniforms of shape [{batch}, {k + 1}].")
+    if chosen == "triton":
+        from .verify_triton import verify_triton
+
+        num_accepted, tokens = verify_triton(target_logits, draft_tokens, draft_probs, params, uniforms)
+        return VerifyResult(num_accepted, tokens)
+    return _verify_reference(target_logits, draft_tokens, draft_probs, params, uniforms)
+
+
+def _triton_importable() -> bool:
+    """Whether ``import triton`` works here (not cached, so tests can hide it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _choose_backend(backend: str, target_logits: torch.Tensor) -> str:
+    """Resolve ``backend`` (and ``$FLASHSPEC_VERIFY_BACKEND`` for "auto") to a concrete one."""
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown verify backend {backend!r}; available: {', '.join(BACKENDS)}.")
+    if backend == "auto":
+        forced = os.environ.get(BACKEND_ENV, "").strip()
+        if forced:
+            if forced not in ("reference", "triton"):
+                raise ValueError(
+                    f"Unknown verify backend {forced!r} in ${BACKEND_ENV}; available: reference, triton."
+                )
+            backend = forced
+        elif target_logits.is_cuda and _triton_importable():
+            return "triton"
+        else:
+            return "reference"
+    if backend == "triton":
+        if not _triton_importable():
+            raise ValueError(_NO_TRITON)
+        if not target_logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"The Triton verify backend needs CUDA tensors; the logits are on "
+                f"{target_logits.device.type} (set TRITON_INTERPRET=1 to run the kernels on the "
+                "CPU with Triton's interpreter, slowly)."
+            )
+    return backend
+
+
+def _verify_reference(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    uniforms: torch.Tensor | None,
+) -> VerifyResult:
+    """The reference backend: the rule of SPEC.md §2 in batched tensor operations."""
+    batch, k = draft_tokens.shape
     device = target_logits.device
     columns = torch.arange(k + 1, device=device)
 
