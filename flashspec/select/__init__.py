@@ -1,40 +1,94 @@
-"""Choosing a drafter for each step. This release ships the fixed selector; the bandits
-(UCB1, Thompson sampling, windowed variants) plug in behind the same two methods."""
+"""Choosing an arm (a (drafter, γ) configuration, mapped by the engine) for each step.
+
+Every selector shares one interface (:class:`Selector`): ``select(context=None) -> arm``,
+``update(arm, Observation(accepted, proposed, tokens, seconds))``, ``state_dict()`` /
+``load_state_dict()`` (JSON values), a lock around all of them, and its own seeded
+``random.Random`` (never the engine's token RNG). The math is in SPEC.md, §bandits.
+
+=====================  ==========================================  ==============
+name                   class                                       module
+=====================  ==========================================  ==============
+``fixed``              :class:`FixedSelector`                      ``fixed``
+``ucb1``               :class:`UCB1Selector`                       ``ucb``
+``discounted-ucb``     :class:`DiscountedUCBSelector`              ``ucb``
+``sliding-window-ucb`` :class:`SlidingWindowUCBSelector`           ``ucb``
+``thompson``           :class:`ThompsonSelector`                   ``thompson``
+``epsilon-greedy``     :class:`EpsilonGreedySelector`              ``epsilon``
+``oracle``             :class:`OracleSelector`                     ``oracle``
+=====================  ==========================================  ==============
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any
 
-__all__ = ["Selector", "FixedSelector", "make_selector"]
+from .base import REWARDS, BaseSelector, Observation, Selector
+from .epsilon import EpsilonGreedySelector
+from .fixed import FixedSelector
+from .oracle import OracleSelector
+from .thompson import ThompsonSelector
+from .ucb import DiscountedUCBSelector, SlidingWindowUCBSelector, UCB1Selector
+
+__all__ = [
+    "REWARDS",
+    "SELECTORS",
+    "BaseSelector",
+    "DiscountedUCBSelector",
+    "EpsilonGreedySelector",
+    "FixedSelector",
+    "Observation",
+    "OracleSelector",
+    "Selector",
+    "SlidingWindowUCBSelector",
+    "ThompsonSelector",
+    "UCB1Selector",
+    "make_selector",
+    "selector_from_state_dict",
+]
+
+SELECTORS: dict[str, type[BaseSelector]] = {
+    cls.kind: cls
+    for cls in (
+        FixedSelector,
+        UCB1Selector,
+        ThompsonSelector,
+        DiscountedUCBSelector,
+        SlidingWindowUCBSelector,
+        EpsilonGreedySelector,
+        OracleSelector,
+    )
+}
 
 
-class Selector(Protocol):
-    def select(self) -> int:
-        """Index of the drafter to use for the next step (may depend on the past only)."""
+def make_selector(selector: str | Selector, num_arms: int | None = None, **options: Any) -> Selector:
+    """A selector from its name (one of :data:`SELECTORS`) for ``num_arms`` arms, with the
+    class's keyword ``options`` (``reward``, ``seed``, ``window``, ...); or ``selector`` itself
+    when it is already an object with ``select`` and ``update``.
 
-    def update(self, arm: int, num_accepted: int, num_proposed: int) -> None:
-        """What the chosen drafter achieved in the step it was chosen for."""
-
-
-class FixedSelector:
-    """Always the same drafter (the first one by default)."""
-
-    def __init__(self, arm: int = 0) -> None:
-        self.arm = arm
-
-    def select(self) -> int:
-        return self.arm
-
-    def update(self, arm: int, num_accepted: int, num_proposed: int) -> None:
-        pass
-
-
-def make_selector(selector: str | Selector) -> Selector:
-    """A selector from its name, or the object itself."""
+    ``num_arms`` may be omitted for ``"fixed"`` only (the release-1 call ``make_selector("fixed")``).
+    """
     if isinstance(selector, str):
-        if selector == "fixed":
-            return FixedSelector()
-        raise ValueError(f"Unknown selector {selector!r}; available in this release: 'fixed'.")
-    if not (hasattr(selector, "select") and hasattr(selector, "update")):
+        cls = SELECTORS.get(selector)
+        if cls is None:
+            raise ValueError(f"Unknown selector {selector!r}; available: {', '.join(map(repr, SELECTORS))}.")
+        if num_arms is None and cls is not FixedSelector:
+            raise ValueError(f"make_selector({selector!r}) needs num_arms (the number of arms).")
+        try:
+            return cls(num_arms, **options)
+        except TypeError as exc:  # an option this selector does not take
+            raise ValueError(f"Bad option for selector {selector!r}: {exc}.") from None
+    if not (callable(getattr(selector, "select", None)) and callable(getattr(selector, "update", None))):
         raise ValueError("A selector must be a name or an object with select() and update().")
+    if options:
+        raise ValueError("Selector options apply only when the selector is given by name.")
+    own = getattr(selector, "num_arms", None)
+    if num_arms is not None and own is not None and own != num_arms:
+        raise ValueError(f"The selector has {own} arm(s) but {num_arms} were configured.")
     return selector
+
+
+def selector_from_state_dict(state: dict[str, Any]) -> BaseSelector:
+    """A new selector of the kind recorded in ``state`` that continues from it."""
+    if not isinstance(state, dict) or state.get("kind") not in SELECTORS:
+        raise ValueError("state must be a selector state_dict() with a known 'kind'.")
+    return SELECTORS[state["kind"]].from_state_dict(state)

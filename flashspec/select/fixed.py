@@ -1,0 +1,34 @@
+"""The fixed selector: always the same arm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import BaseSelector
+
+__all__ = ["FixedSelector"]
+
+
+class FixedSelector(BaseSelector):
+    """Always ``arm`` (the first by default). Updates are validated and counted, nothing
+    else. ``num_arms`` defaults to ``arm + 1`` for callers that do not know it."""
+
+    kind = "fixed"
+    uses_reward = False
+
+    def __init__(self, num_arms: int | None = None, arm: int = 0, **options: Any) -> None:
+        if num_arms is None:
+            if isinstance(arm, bool) or not isinstance(arm, int) or arm < 0:
+                raise ValueError(f"arm must be an integer index >= 0, got {arm!r}.")
+            num_arms = arm + 1
+        super().__init__(num_arms, **options)
+        self.arm = self._check_arm(arm)
+
+    def _config(self) -> dict[str, Any]:
+        return {**super()._config(), "arm": self.arm}
+
+    def _select(self) -> int:
+        return self.arm
+
+    def _update(self, arm, obs, reward) -> None:
+        pass
