@@ -48,7 +48,7 @@ class StaticLM:
     ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
     COMPILED_WIDTHS = 16  # forwards over more tokens (prefills) run eagerly
 
-    def __init__(self, model: PreTrainedModel, compile: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel, compile: bool = False, fast_attention: bool = True) -> None:
         if not self.supports(model):
             raise ValueError(f"StaticLM does not support model type {model.config.model_type!r}.")
         self.model = model
@@ -64,6 +64,9 @@ class StaticLM:
         self.values: list[torch.Tensor] = []
         self.qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.base.layers]
         self.gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.base.layers]
+        # Decode forwards on CUDA use the flash-decoding Triton kernel (flashspec.attention);
+        # prefills, CPUs and machines without Triton use PyTorch's SDPA.
+        self.fast_attention = bool(fast_attention)
         self._compiled = None
         if compile:
             # One compilation per (model, token count, logits_at or not); dynamo counts them per
@@ -128,9 +131,11 @@ class StaticLM:
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         groups = heads // kv_heads
         positions = (start[:, None] + torch.arange(width, device=device)).clamp(max=self.capacity - 1)
-        # Query heads h = kv * groups + g share key head kv: fold the groups into the query axis.
-        query_positions = positions[:, None, :].expand(batch, groups, width).reshape(batch, 1, groups * width, 1)
-        visible = torch.arange(self.capacity, device=device) <= query_positions  # [B, 1, G*q, capacity]
+        use_kernel = self.fast_attention and tokens.is_cuda and width <= self.COMPILED_WIDTHS and _fast_attention()
+        if not use_kernel:
+            # Query heads h = kv * groups + g share key head kv: fold the groups into the query axis.
+            query_positions = positions[:, None, :].expand(batch, groups, width).reshape(batch, 1, groups * width, 1)
+            visible = torch.arange(self.capacity, device=device) <= query_positions  # [B, 1, G*q, capacity]
         # Where this forward's keys and values go: [B, H_kv, q, D] indices along the position axis.
         slots = positions[:, None, :, None].expand(batch, kv_heads, width, dim)
 
@@ -147,9 +152,13 @@ class StaticLM:
             q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             self.keys[i].scatter_(2, slots, k)
             self.values[i].scatter_(2, slots, v.view(batch, width, kv_heads, dim).transpose(1, 2))
-            q = q.reshape(batch, kv_heads, groups * width, dim)
-            out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling)
-            out = out.reshape(batch, heads, width, dim).transpose(1, 2).reshape(batch, width, heads * dim)
+            if use_kernel:
+                out = _fast_attention().decode_attention_heads(q, self.keys[i], self.values[i], positions, attn.scaling)
+                out = out.view(batch, width, heads * dim)
+            else:
+                q = q.reshape(batch, kv_heads, groups * width, dim)
+                out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling)
+                out = out.reshape(batch, heads, width, dim).transpose(1, 2).reshape(batch, width, heads * dim)
             x = x + attn.o_proj(out)
             gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)
@@ -158,9 +167,28 @@ class StaticLM:
         return self.model.lm_head(self.base.norm(x))
 
 
+def _fast_attention():
+    """The flash-decoding module when Triton is importable, else None (imported once)."""
+    global _ATTENTION
+    if _ATTENTION is None:
+        try:
+            from . import attention
+
+            _ATTENTION = attention if attention.triton is not None else False
+        except ImportError:
+            _ATTENTION = False
+    return _ATTENTION or None
+
+
+_ATTENTION = None
+
+
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several linear maps of the same input, stacked by output; the
     modules are re-pointed at slices of it, so the model keeps working and nothing is copied twice."""
+    cached = getattr(linears[0], "_flashspec_fused", None)
+    if cached is not None and cached[0].data_ptr() == linears[0].weight.data_ptr():
+        return cached  # already fused by another wrapper of the same model: share it
     with torch.no_grad():
         weight = torch.cat([m.weight for m in linears])
         bias = None
@@ -173,6 +201,7 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
             if m.bias is not None:
                 m.bias = torch.nn.Parameter(bias[offset : offset + n], requires_grad=False)
             offset += n
+    linears[0]._flashspec_fused = (weight, bias)
     return weight, bias
 
 

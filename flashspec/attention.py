@@ -1,0 +1,570 @@
+"""Decode attention over :class:`flashspec.cache.StaticLM`'s static KV cache: a flash-decoding
+Triton kernel, and the ``scaled_dot_product_attention`` formulation it replaces.
+
+The problem
+-----------
+A decode (or verify) forward feeds ``q`` tokens per sequence (1 to ``k + 1``); with ``G = H / H_kv``
+query heads per key head there are ``M = G·q`` query rows per ``(sequence, key head)`` and each
+row ``m`` attends to cache positions ``0..pos[m]`` of a cache whose capacity ``C`` is far larger
+than the positions in use. SDPA with a boolean ``[B, 1, M, C]`` mask reads all ``C`` keys and
+values, materialises the mask, and launches for a ``[M, C]`` problem with ``M`` tiny — its cost
+is fixed overhead, not data.
+
+Design: flash decoding, split-K
+-------------------------------
+Tiles: ``BLOCK_N = 64`` keys and ``BLOCK_M`` ∈ {16, 32, 64} query rows (the next power of two
+≥ ``M``, at least 16 as ``tl.dot`` needs; padded rows masked) for 16-bit caches; 32 keys and 16
+rows for float32 (exact IEEE dots on FMA units need the registers). For ``R = B·H_kv·ceil(M /
+BLOCK_M)`` row blocks the key axis is cut into ``S`` splits of ``split_keys`` keys (whole tiles),
+``S`` chosen on the host from shapes only (``B``, ``H_kv``, ``M``, ``C`` and the SM count) so
+that ``R·S ≈ 2 × SMs`` programs run; ``S ≤ C / BLOCK_N``.
+
+1. ``_split_kernel``, grid ``(R, S)``: a program loads the positions of its ``BLOCK_M`` rows
+   and their maximum ``P`` (on the device: no host synchronisation, so calls can be captured in
+   CUDA graphs). If its split starts beyond ``P`` it writes the neutral partial ``lse = -inf``
+   and exits: a few bytes. Otherwise it loads its query rows once and walks its keys up to
+   ``min(split end, P + 1)`` — never a key beyond the largest position — in tiles: scores
+   ``Q·Kᵀ`` with ``tl.dot`` (float32 accumulation; exact IEEE float32 for float32 inputs, no
+   TF32), key ``n`` masked out of row ``m`` unless ``n ≤ pos[m]``, online softmax in base 2
+   (``scale·log2 e`` folded into the scores), ``P·V`` with ``tl.dot`` (``P`` rounded to the
+   value dtype, as flash attention does). It writes per ``(row, split)`` the float32 pair
+   ``lse = max + log2(Σ)`` and ``o = Σ p·v / Σ p`` (``lse = -inf, o = 0`` for a row that sees no
+   key of the split).
+2. ``_combine_kernel``, grid ``(B·H_kv, M)`` (one row per program on CUDA; 16 under the
+   interpreter, where programs are slow): per row, the splits that can hold its keys
+   (``split_start ≤ pos[m]``, derived from the position, so stale partials are never read)
+   are folded: ``out = Σ 2^(lse_s − max) o_s / Σ 2^(lse_s − max)``, cast to the query dtype and
+   written straight into the output layout.
+
+When one split suffices (``S = 1``: large batches, or ``C ≤ BLOCK_N``) kernel 1 normalises and writes
+the output itself and kernel 2 is not launched.
+
+Memory traffic (per layer; ``L = max pos + 1`` of each sequence, ``b`` bytes per element)
+--------------------------------------------------------------------------------------------
+* Keys and values: ``2·B·H_kv·L·D·b`` — each needed key and value is read exactly **once** per
+  row block (one block while ``M ≤ 64``, 16-bit), rounded up to whole tiles, nothing past ``L``:
+  the floor for exact attention. SDPA reads ``2·B·H_kv·C·D·b`` plus the ``B·M·C`` mask.
+  (Qwen2.5-1.5B, bf16, ``B = 1``, ``C = 768``: SDPA reads 786 KB per layer whatever ``L``; this
+  kernel 205 KB at ``L = 200``.)
+* Queries: ``B·H·q·D·b``, read once per split that has work (tiny: 6 rows × 128 × 2 bytes).
+* Partials: ``B·H_kv·M·S·(D + 1)·4`` bytes written by kernel 1 and read once by kernel 2 (only
+  splits with keys for the row). ``S`` is at most ``2·SMs / (B·H_kv)`` (12 for the example:
+  74 KB), so for small batches, where splitting matters, they are a fraction of the cache read,
+  and for large batches ``S → 1`` and they vanish.
+* Output: ``B·H·q·D·b`` written once.
+
+Why two kernels rather than one: a single-pass kernel over ``B·H_kv`` programs (2 for
+Qwen2.5-1.5B at batch 1) would leave >98 % of an H200 idle and serialise the whole cache read
+through two SMs; a split-K kernel that folds its own partials needs a cross-program semaphore
+(atomics, memory fences, a counter reset inside the captured graph). The second launch should
+cost a couple of µs in a CUDA graph (an estimate: not measured) and reads only the partials; it
+disappears when ``S = 1``.
+
+Compilations
+------------
+``B``, ``M``, ``q``, ``G``, ``C``, ``S``, the split size and the query/output/position strides
+are runtime arguments excluded from specialisation. Compiled variants depend on the dtype,
+``BLOCK_D`` (head_dim rounded up to a power of two, ≥ 16), ``BLOCK_M`` (from ``M``),
+whether ``S = 1``, and for kernel 2 ``BLOCK_S`` (from ``C`` and the SM count only, never the
+batch). Cache strides (fixed by ``D`` and ``C``, a multiple of 256) keep their usual 16-divisibility
+specialisation.
+
+Every variant was compiled for sm_90 with Triton 3.6's ptxas (``triton.compile`` with a
+``GPUTarget``, no GPU): no register spills for 16-bit caches (≤ 16 bytes of stack for float32).
+
+Interpreter notes: under ``TRITON_INTERPRET=1`` (CPU tests) key loops are ``while`` loops (the
+3.6 interpreter cannot ``range`` to a runtime bound with numpy ≥ 2.4) and bf16/fp16 tiles are
+converted to float32 before ``tl.dot`` (the interpreter multiplies the raw bits of bf16). Products
+of bf16 values are exact in float32, so this is the same arithmetic. Compiled, key loops are
+``tl.range`` loops that Triton software-pipelines.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "available",
+    "decode_attention",
+    "decode_attention_heads",
+    "decode_attention_reference",
+    "plan_splits",
+]
+
+# Tiles of kernel 1 (checked with ptxas for sm_90: no register spills). 16-bit caches: 64 keys,
+# up to 64 query rows, 4 warps (8 for 64 rows). float32 (exact IEEE dots): 32 keys, 16 rows, 8 warps.
+BLOCK_N = 64
+MAX_BLOCK_M = 64
+BLOCK_N_FP32 = 32
+MAX_BLOCK_M_FP32 = 16
+COMBINE_WARPS = 4
+MAX_BLOCK_S = 64  # splits folded per step of kernel 2
+COMBINE_ROWS: int | None = None  # query rows per program of kernel 2 (None: 1 on CUDA, 16 interpreted)
+PROGRAMS_PER_SM = 2  # target of kernel 1's grid size
+NUM_STAGES = 2  # software pipelining of the compiled key loop
+
+try:  # the module imports without triton; the kernels need it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+
+def _triton_importable() -> bool:
+    return triton is not None
+
+
+def _interpreted() -> bool:
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # pragma: no cover - older triton
+
+
+def available(query: torch.Tensor) -> bool:
+    """Whether :func:`decode_attention` can run on ``query``: Triton importable and ``query`` on a
+    CUDA device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tests)."""
+    if triton is None:
+        return False
+    if query.is_cuda:
+        return True
+    return query.device.type == "cpu" and _interpreted()
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+
+
+def decode_attention_reference(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``query [B, H_kv, M, D]`` attending, row ``m`` to key positions ``0..query_positions[b, m]``
+    of ``keys/values [B, H_kv, C, D]``: SDPA with a boolean mask, as StaticLM does today."""
+    capacity = keys.shape[2]
+    visible = torch.arange(capacity, device=keys.device) <= query_positions[:, None, :, None]  # [B, 1, M, C]
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return PROGRAMS_PER_SM * _sm_count(index)
+    return 8  # interpreter: few programs keep CPU tests fast; any value is correct
+
+
+def _tiles(rows: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of kernel 1 for ``rows = M`` query rows."""
+    if dtype == torch.float32:
+        return MAX_BLOCK_M_FP32, BLOCK_N_FP32, 8
+    block_m = max(16, min(MAX_BLOCK_M, _next_pow2(rows)))
+    return block_m, BLOCK_N, 8 if block_m >= 64 else 4
+
+
+def plan_splits(
+    row_blocks: int, capacity: int, device: torch.device, num_splits: int | None = None, block_n: int = BLOCK_N
+) -> tuple[int, int]:
+    """``(num_splits, split_keys)`` for ``row_blocks`` programs' worth of rows over ``capacity``
+    keys: whole ``block_n`` tiles per split, about ``2 × SMs`` programs in all (``num_splits``
+    forces a count, clamped to ``[1, tiles]``). Shapes only: no device value is read."""
+    tiles = -(-capacity // block_n)
+    if num_splits is None:
+        target = _target_programs(device)
+        num_splits = -(-target // max(1, row_blocks))
+    num_splits = max(1, min(int(num_splits), tiles))
+    tiles_per_split = -(-tiles // num_splits)
+    num_splits = -(-tiles // tiles_per_split)
+    return num_splits, tiles_per_split * block_n
+
+
+def _block_s(capacity: int, device: torch.device, block_n: int) -> int:
+    """Kernel 2's splits per step: from the largest split count this capacity can get (never
+    from the batch, so the batch size does not recompile it)."""
+    tiles = -(-capacity // block_n)
+    return max(2, min(MAX_BLOCK_S, _next_pow2(min(tiles, _target_programs(device)))))
+
+
+def _check(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    if keys.shape != values.shape or keys.dim() != 4:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must both be [B, H_kv, C, D]")
+    if query.dim() != 4 or query.shape[0] != keys.shape[0] or query.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"query {tuple(query.shape)} does not match keys {tuple(keys.shape)}")
+    if query.dtype != keys.dtype or keys.dtype != values.dtype:
+        raise ValueError(f"dtypes differ: query {query.dtype}, keys {keys.dtype}, values {values.dtype}")
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys and values need a unit stride along head_dim")
+    if query.device != keys.device or keys.device != values.device:
+        raise ValueError("query, keys and values must be on one device")
+
+
+def _launch(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    groups: int,
+    width: int,
+    q_strides: tuple[int, int, int],
+    o_strides: tuple[int, int, int],
+    num_splits: int | None,
+) -> torch.Tensor:
+    """Shared launcher. Query row ``m`` of key head ``kv`` is query head ``kv·groups + m // width``
+    at token ``j = m % width``; its address is ``b·q_sb + head·q_sh + j·q_st`` (the output's
+    likewise with ``o_strides``) and its position ``positions[b, j]``."""
+    batch, kv_heads, capacity, dim = keys.shape
+    rows = groups * width
+    if batch == 0 or rows == 0:
+        return out
+    if positions.dtype != torch.int64:
+        positions = positions.to(torch.int64)
+    block_m, block_n, warps = _tiles(rows, query.dtype)
+    m_blocks = -(-rows // block_m)
+    block_d = max(16, _next_pow2(dim))
+    splits, split_keys = plan_splits(batch * kv_heads * m_blocks, capacity, keys.device, num_splits, block_n)
+    split = splits > 1
+    interpreted = not query.is_cuda
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    if split:
+        lse = torch.empty(batch * kv_heads * rows * splits, dtype=torch.float32, device=query.device)
+        part = torch.empty(batch * kv_heads * rows * splits * dim, dtype=torch.float32, device=query.device)
+    else:
+        lse = part = out  # unused
+    qk_scale = float(scale) * math.log2(math.e)
+    _split_kernel[(batch * kv_heads * m_blocks, splits)](
+        query, keys, values, positions, out, lse, part,
+        kv_heads, rows, width, groups, capacity, dim, m_blocks, splits, split_keys,
+        q_strides[0], q_strides[1], q_strides[2],
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        positions.stride(0), positions.stride(1),
+        o_strides[0], o_strides[1], o_strides[2],
+        qk_scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split, PRECISION=precision,
+        UPCAST=interpreted and query.dtype != torch.float32, INTERPRET=interpreted,
+        NUM_STAGES=NUM_STAGES, num_warps=warps,
+    )
+    if split:
+        combine_rows = COMBINE_ROWS if COMBINE_ROWS is not None else (1 if query.is_cuda else 16)
+        _combine_kernel[(batch * kv_heads, -(-rows // combine_rows))](
+            lse, part, positions, out,
+            kv_heads, rows, width, groups, dim, splits, split_keys,
+            positions.stride(0), positions.stride(1),
+            o_strides[0], o_strides[1], o_strides[2],
+            ROWS=combine_rows, BLOCK_S=_block_s(capacity, keys.device, block_n), BLOCK_D=block_d,
+            num_warps=COMBINE_WARPS,
+        )
+    return out
+
+
+def _folded(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor, scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    _check(query, keys, values)
+    batch, kv_heads, rows, dim = query.shape
+    if query.shape[1] != keys.shape[1]:
+        raise ValueError(f"query {tuple(query.shape)} must have H_kv = {keys.shape[1]} heads")
+    if tuple(query_positions.shape) != (batch, rows):
+        raise ValueError(f"query_positions {tuple(query_positions.shape)} must be [B, M] = {(batch, rows)}")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    return _launch(
+        query, keys, values, query_positions, scale, out, 1, rows,
+        (query.stride(0), query.stride(1), query.stride(2)),
+        (out.stride(0), out.stride(1), out.stride(2)),
+        num_splits,
+    )
+
+
+def _heads(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    _check(query, keys, values)
+    batch, heads, width, dim = query.shape
+    kv_heads = keys.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key heads")
+    if tuple(positions.shape) != (batch, width):
+        raise ValueError(f"positions {tuple(positions.shape)} must be [B, q] = {(batch, width)}")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty((batch, width, heads, dim), dtype=query.dtype, device=query.device)
+    return _launch(
+        query, keys, values, positions, scale, out, heads // kv_heads, width,
+        (query.stride(0), query.stride(1), query.stride(2)),
+        (out.stride(0), out.stride(2), out.stride(1)),
+        num_splits,
+    )
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+def decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``query [B, H_kv, M, D]`` (any strides, unit stride along ``D``) over
+    ``keys/values [B, H_kv, C, D]``: row ``m`` of sequence ``b`` sees key positions
+    ``0..query_positions[b, m]`` (``[B, M]`` integers in ``[0, C)``). Returns a new contiguous
+    ``[B, H_kv, M, D]`` tensor in ``query``'s dtype, equal to :func:`decode_attention_reference`
+    up to float rounding. ``num_splits`` forces the key-axis split count (tests).
+
+    Under ``torch.compile`` it goes through the opaque custom op
+    ``torch.ops.flashspec.decode_attention`` (no graph break)."""
+    if num_splits is None and _compiling() and _OPS:
+        return torch.ops.flashspec.decode_attention(query, keys, values, query_positions, float(scale))
+    return _folded(query, keys, values, query_positions, scale, num_splits)
+
+
+def decode_attention_heads(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """The same attention with the query heads unfolded, as StaticLM holds them: ``query [B, H,
+    q, D]`` — any strides with a unit one along ``D``, e.g. the ``transpose(1, 2)`` of a ``[B, q, H,
+    D]`` tensor, no copy — where head ``h`` uses key head ``h // (H / H_kv)``, and ``positions [B,
+    q]`` (token ``j`` sees ``0..positions[b, j]``). Returns a new contiguous ``[B, q, H, D]``
+    tensor, so ``out.view(B, q, H·D)`` feeds ``o_proj`` without a transpose copy.
+
+    Under ``torch.compile`` it goes through the opaque custom op
+    ``torch.ops.flashspec.decode_attention_heads`` (no graph break)."""
+    if num_splits is None and _compiling() and _OPS:
+        return torch.ops.flashspec.decode_attention_heads(query, keys, values, positions, float(scale))
+    return _heads(query, keys, values, positions, scale, num_splits)
+
+
+def _register_ops() -> bool:
+    """Register the two custom ops (once per process, even if this module is loaded twice)."""
+    if not hasattr(torch.library, "custom_op"):  # pragma: no cover - torch < 2.4
+        return False
+    schema = "(Tensor query, Tensor keys, Tensor values, Tensor positions, float scale) -> Tensor"
+    namespace = torch.ops.flashspec
+
+    def fake_folded(query, keys, values, positions, scale):
+        return query.new_empty(query.shape)
+
+    def fake_heads(query, keys, values, positions, scale):
+        batch, heads, width, dim = query.shape
+        return query.new_empty((batch, width, heads, dim))
+
+    ops = (("decode_attention", _folded, fake_folded), ("decode_attention_heads", _heads, fake_heads))
+    for name, impl, fake in ops:
+        if hasattr(namespace, name):
+            continue
+
+        def run(query, keys, values, positions, scale, _impl=impl):
+            return _impl(query, keys, values, positions, scale)
+
+        op = torch.library.custom_op(f"flashspec::{name}", run, mutates_args=(), schema=schema)
+        op.register_fake(fake)
+    return True
+
+
+_OPS = _register_ops()
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+if triton is not None:
+    _NEG_INF = tl.constexpr(float("-inf"))
+    # Reductions through tl.reduce with Triton's own combine functions: identical to tl.max /
+    # tl.sum when compiled, and run natively by the interpreter (tl.max re-patches per call).
+    _MAX = tl.standard._elementwise_max
+    _SUM = tl.standard._sum_combine
+
+    # Runtime ints that vary between calls and must not make new compilations (Triton would
+    # specialise ints equal to 1 and divisibility by 16).
+    _SPLIT_RUNTIME = ["M", "W", "G", "C", "m_blocks", "num_splits", "split_keys", "q_sb", "q_sh", "q_st",
+                      "p_sb", "p_st", "o_sb", "o_sh", "o_st"]
+    _COMBINE_RUNTIME = ["M", "W", "G", "num_splits", "split_keys", "p_sb", "p_st", "o_sb", "o_sh", "o_st"]
+
+    def _device_fn(fn):
+        """``@triton.jit`` for a helper, except under the interpreter, where a plain function
+        runs the same code without the interpreter's cost per nested jit call."""
+        return fn if _interpreted() else triton.jit(fn)
+
+    @_device_fn
+    def _attend_tile(q, k_row, v_row, k_sn, v_sn, n0, end, pos, d, d_live, m_i, l_i, acc, qk_scale,
+                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """One tile of keys ``n0 .. n0 + BLOCK_N`` (those ``< end`` loaded) folded into the
+        online softmax state ``(m_i, l_i, acc)`` of the rows at positions ``pos``."""
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_live = n < end
+        kt = tl.load(k_row + n[None, :] * k_sn + d[:, None], mask=d_live[:, None] & n_live[None, :],
+                     other=0.0)  # [BLOCK_D, BLOCK_N]
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        s = tl.where(n[None, :] <= pos[:, None], s, _NEG_INF)
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+        safe = tl.where(m_new == _NEG_INF, 0.0, m_new)  # rows without a visible key yet
+        alpha = tl.exp2(m_i - safe)
+        p = tl.exp2(s - safe[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        v = tl.load(v_row + n[:, None] * v_sn + d[None, :], mask=n_live[:, None] & d_live[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_D]
+        p = p.to(v.dtype)
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit(do_not_specialize=_SPLIT_RUNTIME)
+    def _split_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, lse_ptr, part_ptr,
+        H_kv, M, W, G, C, D, m_blocks, num_splits, split_keys,
+        q_sb, q_sh, q_st, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, p_sb, p_st, o_sb, o_sh, o_st,
+        qk_scale,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):
+        """Kernel 1: one split of the key axis for one block of query rows of one (b, kv)."""
+        pid = tl.program_id(0)
+        bh = pid // m_blocks
+        mb = pid - bh * m_blocks
+        b = bh // H_kv
+        kv = bh - b * H_kv
+        split = tl.program_id(1)
+
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        live = rows < M
+        g = rows // W
+        j = rows - g * W
+        pos = tl.load(pos_ptr + b.to(tl.int64) * p_sb + j.to(tl.int64) * p_st, mask=live, other=-1)
+        pos = tl.minimum(pos, C - 1).to(tl.int32)
+        start = split * split_keys
+        end = tl.minimum(start + split_keys, tl.reduce(pos, 0, _MAX) + 1)  # keys start .. end - 1 matter
+        part_row = (bh.to(tl.int64) * M + rows) * num_splits + split  # [BLOCK_M]
+
+        if SPLIT:
+            if end <= start:  # every key of the split lies beyond every row's position
+                tl.store(lse_ptr + part_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=live)
+                return
+
+        d = tl.arange(0, BLOCK_D)
+        d_live = d < D
+        head = kv * G + g
+        q_off = b.to(tl.int64) * q_sb + head.to(tl.int64) * q_sh + j.to(tl.int64) * q_st
+        q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=live[:, None] & d_live[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_row = k_ptr + b.to(tl.int64) * k_sb + kv.to(tl.int64) * k_sh
+        v_row = v_ptr + b.to(tl.int64) * v_sb + kv.to(tl.int64) * v_sh
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if INTERPRET:
+            n0 = start
+            while n0 < end:
+                m_i, l_i, acc = _attend_tile(q, k_row, v_row, k_sn, v_sn, n0, end, pos, d, d_live, m_i, l_i, acc,
+                                             qk_scale, BLOCK_N, PRECISION, UPCAST)
+                n0 += BLOCK_N
+        else:
+            for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+                m_i, l_i, acc = _attend_tile(q, k_row, v_row, k_sn, v_sn, n0, end, pos, d, d_live, m_i, l_i, acc,
+                                             qk_scale, BLOCK_N, PRECISION, UPCAST)
+
+        seen = l_i > 0.0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        if SPLIT:
+            lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + part_row, lse, mask=live)
+            tl.store(part_ptr + part_row[:, None] * D + d[None, :], o, mask=live[:, None] & d_live[None, :])
+        else:
+            o_off = b.to(tl.int64) * o_sb + head.to(tl.int64) * o_sh + j.to(tl.int64) * o_st
+            tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=live[:, None] & d_live[None, :])
+
+    @triton.jit(do_not_specialize=_COMBINE_RUNTIME)
+    def _combine_kernel(
+        lse_ptr, part_ptr, pos_ptr, out_ptr,
+        H_kv, M, W, G, D, num_splits, split_keys,
+        p_sb, p_st, o_sb, o_sh, o_st,
+        ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """Kernel 2: ``ROWS`` query rows' split partials → their output rows."""
+        bh = tl.program_id(0)
+        b = bh // H_kv
+        kv = bh - b * H_kv
+        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        live = rows < M
+        g = rows // W
+        j = rows - g * W
+        pos = tl.load(pos_ptr + b.to(tl.int64) * p_sb + j.to(tl.int64) * p_st, mask=live, other=0).to(tl.int32)
+        # Splits starting at or before the row's position: exactly those that hold its keys.
+        n_valid = tl.where(live, tl.minimum(pos // split_keys + 1, num_splits), 0)
+        d = tl.arange(0, BLOCK_D)
+        d_live = d < D
+        base = (bh.to(tl.int64) * M + rows) * num_splits  # [ROWS]
+
+        big_m = tl.full([ROWS], float("-inf"), tl.float32)
+        big_l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        s_end = tl.reduce(n_valid, 0, _MAX)
+        s0 = s_end * 0
+        while s0 < s_end:
+            s = s0 + tl.arange(0, BLOCK_S)
+            valid = s[None, :] < n_valid[:, None]  # [ROWS, BLOCK_S]
+            idx = base[:, None] + s[None, :]
+            lse = tl.load(lse_ptr + idx, mask=valid, other=float("-inf"))
+            o = tl.load(part_ptr + idx[:, :, None] * D + d[None, None, :],
+                        mask=valid[:, :, None] & d_live[None, None, :], other=0.0)  # [ROWS, BLOCK_S, BLOCK_D]
+            new_m = tl.maximum(big_m, tl.reduce(lse, 1, _MAX))
+            safe = tl.where(new_m == _NEG_INF, 0.0, new_m)  # only dead rows: split 0 holds key 0
+            alpha = tl.exp2(big_m - safe)
+            w = tl.exp2(lse - safe[:, None])
+            big_l = big_l * alpha + tl.reduce(w, 1, _SUM)
+            acc = acc * alpha[:, None] + tl.reduce(w[:, :, None] * o, 1, _SUM)
+            big_m = new_m
+            s0 += BLOCK_S
+        out = acc / tl.where(big_l > 0.0, big_l, 1.0)[:, None]
+        o_off = b.to(tl.int64) * o_sb + (kv * G + g).to(tl.int64) * o_sh + j.to(tl.int64) * o_st
+        tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & d_live[None, :])
