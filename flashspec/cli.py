@@ -70,6 +70,30 @@ def _parser() -> argparse.ArgumentParser:
     fwd.add_argument("--device", default="cpu")
     fwd.add_argument("--out", default="benchmarks/results/forward_cpu.json")
 
+    band = bench_sub.add_parser("bandit", help="regret of the drafter selectors on simulated Bernoulli arms")
+    band.add_argument("--steps", type=int, default=10_000, help="horizon T")
+    band.add_argument("--arms", type=int, default=3, help="number of arms K")
+    band.add_argument("--seeds", type=int, default=20, help="runs per selector and scenario")
+    band.add_argument("--json", dest="json_path", default="benchmarks/results/bandit.json")
+    band.add_argument("--plot", default="benchmarks/results/bandit.png", help="regret curves (PNG)")
+    band.add_argument("--no-progress", action="store_true")
+
+    sel = bench_sub.add_parser("select", help="bandit vs every fixed (drafter, γ) arm on a mixed real workload")
+    sel.add_argument("--target", default=None, help="default: the demo's 1.5B target")
+    sel.add_argument("--draft", action="append", default=None,
+                     help="a drafter (repeatable; 'ngram' for prompt lookup); default: the demo's 0.5B and ngram")
+    sel.add_argument("--gammas", default="2,4", help="comma-separated draft lengths; arms = drafters × gammas")
+    sel.add_argument("--selectors", default="thompson,ucb1", help="comma-separated bandits to compare")
+    sel.add_argument("--tokenizer", default=None)
+    sel.add_argument("--corpus", default="../shared/corpus")
+    sel.add_argument("--prompts-per-domain", type=int, default=4)
+    sel.add_argument("--prompt-tokens", type=int, default=128)
+    sel.add_argument("--max-new-tokens", type=int, default=64)
+    sel.add_argument("--temperature", type=float, default=0.0)
+    sel.add_argument("--device", default=None)
+    sel.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    sel.add_argument("--out", default="benchmarks/results/select_cpu.json")
+
     gpu = bench_sub.add_parser("gpu", help="verify kernels, roofline and speculative step anatomy on a CUDA GPU")
     gpu.add_argument("--target", default=None, help="a real target (folder, hub id or .gguf); omit to skip")
     gpu.add_argument("--draft", default=None, help="its drafter")
@@ -131,13 +155,14 @@ def _run(engine, baseline, prompt: str, args: argparse.Namespace) -> None:
         print(f"speedup {speedup:.2f}x; outputs {same}")
 
 
-def _load_pair(target: str, drafts: list[str], tokenizer: str | None, device: str | None, dtype: str | None):
+def _load_pair(target: str, drafts: list[str], tokenizer: str | None, device: str | None, dtype: str | None,
+               **engine_options):
     import torch
 
     from .engine import SpeculativeEngine
 
     torch_dtype = getattr(torch, dtype) if dtype else None
-    engine = SpeculativeEngine(target, drafts, tokenizer=tokenizer, device=device, dtype=torch_dtype)
+    engine = SpeculativeEngine(target, drafts, tokenizer=tokenizer, device=device, dtype=torch_dtype, **engine_options)
     baseline = SpeculativeEngine(engine.target, [], tokenizer=engine.tokenizer)
     return engine, baseline
 
@@ -189,6 +214,50 @@ def main(argv: list[str] | None = None) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=1))
             table = bench.summarize_forward_costs(results)
+            out.with_suffix(".md").write_text(table + "\n")
+            print(table)
+        elif args.command == "bench" and args.bench == "bandit":
+            from . import bench_bandit
+
+            results = bench_bandit.run(
+                steps=args.steps, arms=args.arms, seeds=args.seeds, json_path=args.json_path,
+                plot_path=args.plot, progress=not args.no_progress,
+            )
+            print(bench_bandit.summarize(results))
+        elif args.command == "bench" and args.bench == "select":
+            import json
+
+            from . import bench
+            from .models import DEMO_DRAFT, DEMO_TARGET, fetch_demo_model
+
+            try:  # checked before minutes of model loading
+                gammas = [int(g) for g in args.gammas.split(",") if g.strip()]
+            except ValueError:
+                raise ValueError(f"--gammas must be comma-separated integers >= 1; got {args.gammas!r}.") from None
+            if not gammas or min(gammas) < 1:
+                raise ValueError(f"--gammas must be comma-separated integers >= 1; got {args.gammas!r}.")
+            from .select import SELECTORS
+
+            selectors = [s for s in args.selectors.split(",") if s]
+            for name in selectors:
+                if name not in SELECTORS or name in ("fixed", "oracle"):
+                    raise ValueError(f"Unknown bandit {name!r} for --selectors; choose from ucb1, thompson, "
+                                     "discounted-ucb, sliding-window-ucb, epsilon-greedy.")
+            target = args.target or fetch_demo_model(DEMO_TARGET)
+            drafts = args.draft or [fetch_demo_model(DEMO_DRAFT), "ngram"]
+            engine, _ = _load_pair(target, drafts, args.tokenizer, args.device, args.dtype, gammas=gammas)
+            bandits = {}
+            for name in selectors:
+                bandits[f"{name} (shared)"] = {"selector": name, "options": {"seed": 0}}
+                bandits[f"{name} (per domain)"] = {"selector": name, "options": {"seed": 0}, "context": "domain"}
+            results = bench.run_selection(
+                engine, Path(args.corpus), bandits=bandits, prompts_per_domain=args.prompts_per_domain,
+                prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            )
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=1))
+            table = bench.summarize_selection(results)
             out.with_suffix(".md").write_text(table + "\n")
             print(table)
         elif args.command == "bench" and args.bench == "gpu":

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +19,7 @@ from .graphs import Graphs
 from .drafters import Drafter, History, ModelDrafter, NgramDrafter
 from .models import context_window, load_model, load_tokenizer, check_no_sliding_window
 from .sampling import SamplingParams, sample
-from .select import Selector, make_selector
+from .select import Observation, Selector, make_selector, selector_from_state_dict
 from .verify import verify
 
 __all__ = ["SpeculativeEngine", "GenerationOutput", "GenerationStats"]
@@ -45,6 +47,8 @@ class GenerationStats:
     decode_seconds: float = 0.0  # time of the decode steps, prefill excluded
     decode_tokens: int = 0  # tokens committed by decode steps (the prefill's first token excluded)
     per_drafter: dict[str, DrafterStats] = field(default_factory=dict)
+    per_arm: dict[str, DrafterStats] = field(default_factory=dict)  # "drafter@γ"
+    selector_seconds: float = 0.0  # host time in select() and update()
 
     @property
     def acceptance_rate(self) -> float:
@@ -77,6 +81,8 @@ class GenerationStats:
             "prefill_seconds": self.prefill_seconds,
             "overhead_fraction": self.overhead_fraction,
             "per_drafter": {k: vars(v) for k, v in self.per_drafter.items()},
+            "per_arm": {k: vars(v) for k, v in self.per_arm.items()},
+            "selector_seconds": self.selector_seconds,
         }
 
 
@@ -95,7 +101,15 @@ class SpeculativeEngine:
         drafters: a drafter or a list of them; each is a loaded model, a path / hub id /
             ``.gguf`` file, ``"ngram"`` or a :class:`~flashspec.drafters.Drafter`. Empty means
             plain target-only decoding through the same loop.
-        selector: how a drafter is chosen each step (``"fixed"``: the first).
+        selector: how an arm — a (drafter, γ) pair — is chosen each step: ``"fixed"`` (the
+            first arm), ``"ucb1"``, ``"thompson"``, ``"discounted-ucb"``,
+            ``"sliding-window-ucb"``, ``"epsilon-greedy"``, or a selector object
+            (:mod:`flashspec.select`). ``selector_options`` go to the named selector's class
+            (e.g. ``{"reward": "acceptance", "seed": 0}``).
+        gammas: draft lengths to choose among; the arms are every (drafter, γ) pair, drafter
+            first. ``None``: one arm per drafter, with ``generate``'s ``num_draft_tokens``.
+        share_selector: ``True`` (default) — the selector learns across requests (one state
+            per ``generate(context=...)`` value); ``False`` — each request starts afresh.
         tokenizer: a tokenizer or a path; needed for string prompts. Loaded from ``target``
             when ``target`` is a path and this is None.
         device, dtype: where and in which precision to load models given as paths
@@ -110,6 +124,9 @@ class SpeculativeEngine:
         drafters: Any = (),
         *,
         selector: str | Selector = "fixed",
+        selector_options: dict[str, Any] | None = None,
+        gammas: Sequence[int] | None = None,
+        share_selector: bool = True,
         tokenizer: Any = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
@@ -133,11 +150,90 @@ class SpeculativeEngine:
             drafters = [drafters]
         self.compile = bool(compile)
         self.drafters: list[Drafter] = [self._as_drafter(d, dtype) for d in drafters]
-        self.selector = make_selector(selector)
+        names: set[str] = set()
+        for i, d in enumerate(self.drafters):  # statistics are kept by name: make names unique
+            if d.name in names:
+                d.name = f"{d.name}#{i}"
+            names.add(d.name)
+        if gammas is not None:
+            gammas = list(gammas)
+            if not gammas or any(isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1 for g in gammas):
+                raise ValueError(f"gammas must be a non-empty list of integers >= 1; got {gammas!r}.")
+            gammas = [int(g) for g in gammas]
+        # Arms: (drafter index, γ or None for generate's num_draft_tokens).
+        self.arms: list[tuple[int, int | None]] = [
+            (d, g) for d in range(len(self.drafters)) for g in (gammas if gammas is not None else [None])
+        ]
+        self.share_selector = bool(share_selector)
+        self.set_selector(selector, **(selector_options or {}))
         self._target_lm = make_lm(self.target, compile=self.compile)
         static_on_gpu = isinstance(self._target_lm, StaticLM) and self.target.device.type == "cuda"
         self._graphs = Graphs(enabled=static_on_gpu)
         self._buffers: _Workspace | None = None
+
+    # ------------------------------------------------------------------ selection
+    def arm_label(self, arm: int, num_draft_tokens: int | None = None) -> str:
+        """``"drafter@γ"`` for arm ``arm``."""
+        d, g = self.arms[arm]
+        return f"{self.drafters[d].name}@{g if g is not None else num_draft_tokens}"
+
+    def set_selector(self, selector: str | Selector, **options: Any) -> None:
+        """Choose arms with ``selector`` from now on (a name with its class's options, or an
+        object); forgets what the previous selector learned."""
+        if self.arms:
+            self.selector: Selector | None = make_selector(selector, len(self.arms), **options)
+        else:  # target-only: nothing to choose
+            self.selector = None
+        self._initial_selector_state = self._selector_state(self.selector)
+        self._selectors: dict[Hashable, Selector] = {}
+
+    @staticmethod
+    def _selector_state(selector: Any) -> dict[str, Any] | None:
+        state_dict = getattr(selector, "state_dict", None)
+        return state_dict() if callable(state_dict) else None
+
+    def _selector_for(self, context: Hashable) -> Selector | None:
+        """The selector of this request: shared per context, or a fresh one per request."""
+        if self.selector is None:
+            return None
+        if not self.share_selector:
+            if self._initial_selector_state is None:
+                raise ValueError("share_selector=False needs a selector with state_dict() to copy from.")
+            return selector_from_state_dict(self._initial_selector_state)
+        if context is None:
+            return self.selector
+        if context not in self._selectors:
+            if self._initial_selector_state is None:
+                raise ValueError("A context needs a selector with state_dict() to copy from.")
+            self._selectors[context] = selector_from_state_dict(self._initial_selector_state)
+        return self._selectors[context]
+
+    def selector_state(self) -> dict[str, Any]:
+        """Everything the selectors learned, as JSON-serialisable values."""
+        contexts = {json.dumps(k): self._selector_state(v) for k, v in self._selectors.items()}
+        return {"default": self._selector_state(self.selector), "contexts": contexts}
+
+    def load_selector_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`selector_state` (e.g. after a restart)."""
+        if not isinstance(state, dict) or "default" not in state:
+            raise ValueError("Not a selector state: expected the dict that selector_state() returns.")
+        if self.selector is not None and state["default"] is not None:
+            self.selector.load_state_dict(state["default"])
+        self._selectors = {_hashable(json.loads(k)): selector_from_state_dict(v) for k, v in state.get("contexts", {}).items()}
+
+    def save_selector(self, path: str) -> None:
+        """Write :meth:`selector_state` as JSON."""
+        with open(path, "w") as f:
+            json.dump(self.selector_state(), f)
+
+    def load_selector(self, path: str) -> None:
+        """Read a file written by :meth:`save_selector`."""
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"Could not read a selector state from {path!r}: {error}") from None
+        self.load_selector_state(state)
 
     def _workspace(self, batch: int, capacity: int, gamma: int, num_eos: int) -> _Workspace:
         """The decode buffers for this shape: reused when it matches the last request (so are
@@ -152,10 +248,12 @@ class SpeculativeEngine:
     def _as_drafter(self, spec: Any, dtype: torch.dtype) -> Drafter:
         if isinstance(spec, str) and spec == "ngram":
             return NgramDrafter()
+        name = None
         if isinstance(spec, str):
+            name = Path(spec).stem if spec.endswith(".gguf") else spec.rstrip("/").split("/")[-1]
             spec = load_model(spec, self.device, dtype)
         if isinstance(spec, PreTrainedModel):
-            return ModelDrafter(spec, self.vocab_size, compile=self.compile)
+            return ModelDrafter(spec, self.vocab_size, name=name, compile=self.compile)
         if isinstance(spec, Drafter):
             return spec
         raise ValueError(f"Cannot use {spec!r} as a drafter: give a model, a path, 'ngram' or a Drafter.")
@@ -228,11 +326,14 @@ class SpeculativeEngine:
         seed: int | None = None,
         progress: bool = False,
         sync_every: int | None = None,
+        context: Hashable = None,
     ) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` per row; the output law is exactly the target's.
 
         ``sync_every``: check for finished rows (a device-to-host read) every this many steps;
         default 1 on the CPU, 8 on CUDA. Steps after every row finished do no harm but cost time.
+        ``context``: a hashable label of the request (a domain, a route); with a learning
+        selector, each label gets its own selector state.
         """
         params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
@@ -255,14 +356,23 @@ class SpeculativeEngine:
                 f"The prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context window of {limit} tokens."
             )
+        try:
+            hash(context)
+        except TypeError:
+            raise ValueError(f"context must be hashable (a string, a number, a tuple); got {context!r}.") from None
+        gamma_max = max([g or num_draft_tokens for _, g in self.arms], default=num_draft_tokens)
         for model in [self.target] + [d.model for d in self.drafters if isinstance(d, ModelDrafter)]:
-            check_no_sliding_window(model.config, longest + max_new_tokens * (num_draft_tokens + 1))
+            check_no_sliding_window(model.config, longest + max_new_tokens * (gamma_max + 1))
         sync_every = int(sync_every)
 
-        stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in self.drafters})
+        stats = GenerationStats(
+            per_drafter={d.name: DrafterStats() for d in self.drafters},
+            per_arm={self.arm_label(a, num_draft_tokens): DrafterStats() for a in range(len(self.arms))},
+        )
         if max_new_tokens == 0:
             return self._output([[] for _ in rows], stats)
-        run = _Run(self, rows, params, eos, max_new_tokens, num_draft_tokens, seed, stats)
+        selector = self._selector_for(context)
+        run = _Run(self, rows, params, eos, max_new_tokens, num_draft_tokens, seed, stats, selector, context)
         start = time.perf_counter()
         run.prefill()
         stats.prefill_seconds = time.perf_counter() - start
@@ -337,9 +447,17 @@ class _Run:
         gamma: int,
         seed: int | None,
         stats: GenerationStats,
+        selector: Selector | None = None,
+        context: Hashable = None,
     ) -> None:
         device = engine.target.device
-        self.engine, self.params, self.gamma, self.stats = engine, params, gamma, stats
+        self.engine, self.params, self.stats = engine, params, stats
+        self.selector, self.context = selector, context
+        # Each arm's draft length; the buffers are sized for the longest.
+        self.arm_gammas = [g or gamma for _, g in engine.arms]
+        self.labels = [engine.arm_label(a, gamma) for a in range(len(engine.arms))]
+        gamma = max(self.arm_gammas, default=gamma)
+        self.gamma = gamma
         self.batch = len(rows)
         self.budget = self.batch * max_new_tokens
         longest = max(len(r) for r in rows)
@@ -367,8 +485,9 @@ class _Run:
         self.rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         self.draft_uniforms = ws.random[:, :gamma]
         self.verify_uniforms = ws.random[:, gamma:]
-        self.arms: list[int | None] = []  # host: the drafter chosen at each step
+        self.chosen: list[int | None] = []  # host: the arm chosen at each step
         self.proposed: list[int] = []  # host: drafts per active row at each step
+        self.clock = _StepClock(device)
         self.polled = 0  # steps already handed to the stats and the selector
         self.target = engine._target_lm
         self.graphs = engine._graphs
@@ -388,27 +507,43 @@ class _Run:
         self.max_length += 1
 
     def step(self) -> None:
-        """One speculative step: select → propose → score → verify → commit → update."""
-        engine = self.engine
-        arm = engine.selector.select() if engine.drafters else None
-        k = self.gamma if arm is not None else 0
-        ws = self.ws
-        ws.random.uniform_(generator=self.rng)
-        has_probs = False
-        if arm is not None:
-            history = History(self.tokens, self.length, self.active, len(self.arms), self.max_length)
-            draft = engine.drafters[arm].propose(history, k, self.params, self.draft_uniforms)
-            ws.draft_tokens.copy_(draft.tokens)
-            if draft.probs is not None:
-                if ws.draft_probs is None:
-                    ws.draft_probs = torch.empty_like(draft.probs)
-                ws.draft_probs.copy_(draft.probs)
-                has_probs = True
-        key = (k, has_probs, self.params)
-        self.graphs.run(key, lambda: self._score_verify_commit(k, has_probs))
-        self.arms.append(arm)
+        """One speculative step: select → propose → score → verify → commit; the update
+        happens lagged, in :meth:`poll`."""
+        self.clock.mark()
+        arm, k = self._select()
+        has_probs = self._propose(arm, k)
+        self.graphs.run((k, has_probs, self.params), lambda: self._score_verify_commit(k, has_probs))
+        self.chosen.append(arm)
         self.proposed.append(k)
         self.max_length = min(self.max_length + k + 1, self.length_limit)
+
+    def _select(self) -> tuple[int | None, int]:
+        """The arm of this step and its draft length (no arm, 0 drafts: target-only)."""
+        if self.selector is None:
+            return None, 0
+        started = time.perf_counter()
+        arm = self.selector.select(self.context)
+        self.stats.selector_seconds += time.perf_counter() - started
+        return arm, self.arm_gammas[arm]
+
+    def _propose(self, arm: int | None, k: int) -> bool:
+        """Draw this step's random numbers and let the arm's drafter fill the draft buffers;
+        returns whether the drafts come with their laws ``q``."""
+        ws = self.ws
+        ws.random.uniform_(generator=self.rng)
+        if arm is None:
+            return False
+        history = History(self.tokens, self.length, self.active, len(self.chosen), self.max_length)
+        drafter = self.engine.drafters[self.engine.arms[arm][0]]
+        draft = drafter.propose(history, k, self.params, self.draft_uniforms[:, :k])
+        ws.draft_tokens[:, :k].copy_(draft.tokens)
+        if draft.probs is None:
+            return False
+        if ws.draft_probs is None:
+            shape = (self.batch, self.gamma, draft.probs.shape[-1])
+            ws.draft_probs = torch.empty(shape, dtype=draft.probs.dtype, device=draft.probs.device)
+        ws.draft_probs[:, :k].copy_(draft.probs)
+        return True
 
     def _score_verify_commit(self, k: int, has_probs: bool) -> None:
         """Score the drafts with the target, verify them, commit the result (tensor code only)."""
@@ -429,29 +564,36 @@ class _Run:
     def poll(self) -> bool:
         """Read the lagged per-step log (a host synchronisation): update statistics and the
         selector; return whether any row is still generating."""
-        steps = len(self.arms)
+        steps = len(self.chosen)
         if steps > self.polled:
-            log = self.ws.log[self.polled : steps].tolist()
-            for arm, k, (accepted, active_rows, committed) in zip(
-                self.arms[self.polled :], self.proposed[self.polled :], log
+            self.clock.mark()
+            log = self.ws.log[self.polled : steps].tolist()  # the synchronisation
+            seconds = self.clock.durations(steps - self.polled)
+            for arm, k, (accepted, active_rows, committed), dt in zip(
+                self.chosen[self.polled :], self.proposed[self.polled :], log, seconds
             ):
-                self._record(arm, k, accepted, active_rows, committed)
+                self._record(arm, k, accepted, active_rows, committed, dt)
             self.polled = steps
         return bool(self.active.any())
 
-    def _record(self, arm: int | None, k: int, accepted: int, active_rows: int, committed: int) -> None:
+    def _record(
+        self, arm: int | None, k: int, accepted: int, active_rows: int, committed: int, seconds: float
+    ) -> None:
         stats = self.stats
         stats.steps += 1
         stats.row_steps += active_rows
         stats.decode_tokens += committed
         if arm is None or active_rows == 0:
             return
-        drafter = self.engine.drafters[arm]
-        self.engine.selector.update(arm, accepted, k * active_rows)
-        per = stats.per_drafter[drafter.name]
-        per.steps += 1
-        per.proposed += k * active_rows
-        per.accepted += accepted
+        observation = Observation(accepted, k * active_rows, committed, max(seconds, 1e-9))
+        started = time.perf_counter()
+        self.selector.update(arm, observation)
+        stats.selector_seconds += time.perf_counter() - started
+        drafter = self.engine.drafters[self.engine.arms[arm][0]]
+        for per in (stats.per_drafter[drafter.name], stats.per_arm[self.labels[arm]]):
+            per.steps += 1
+            per.proposed += k * active_rows
+            per.accepted += accepted
         stats.proposed += k * active_rows
         stats.accepted += accepted
 
@@ -489,3 +631,33 @@ class _Run:
             start, end = int(self.ws.prompt_length[b]), int(self.length[b])
             out.append(self.tokens[b, start:end].tolist())
         return out
+
+
+def _hashable(value: Any) -> Hashable:
+    """A context label back from JSON: lists (tuples once) become tuples again."""
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+class _StepClock:
+    """Step durations without synchronising: host clocks on the CPU, CUDA events (read only
+    after the poll's synchronisation) on a GPU. ``mark()`` at each step start and at each poll."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations(self, steps: int) -> list[float]:
+        """Seconds of the last ``steps`` steps (marks: one per step start, then the poll's)."""
+        marks = self.marks[-(steps + 1):]
+        self.marks = self.marks[-1:]  # the poll's mark starts nothing; the next step marks again
+        if self.cuda:
+            return [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
+        return [b - a for a, b in zip(marks, marks[1:])]

@@ -161,29 +161,33 @@ def test_power_temperature_ignored_would_fail():
     assert chi_square_pvalue(samples, exact_law(1.0, 0, 1.0)) < ALPHA
 
 
-class SwitchingSelector:
-    """Adversarial but causal: switches drafter by the step count (depends on the past only)."""
+class AdversarialSelector:
+    """Causal but adversarial: picks the next (drafter, γ) arm from the previous step's accept
+    pattern (and the step count), so drafter and draft length change with what was accepted."""
 
-    def __init__(self) -> None:
-        self.t = 0
+    def __init__(self, num_arms: int) -> None:
+        self.num_arms, self.t, self.last = num_arms, 0, 0
 
-    def select(self) -> int:
+    def select(self, context=None) -> int:
         self.t += 1
-        return self.t % 2
+        if self.t <= self.num_arms:  # every arm once, then as a function of what was accepted
+            return self.t - 1
+        return (self.last * 3 + self.t) % self.num_arms
 
-    def update(self, arm, num_accepted, num_proposed) -> None:
-        pass
+    def update(self, arm, observation) -> None:
+        self.last = observation.accepted  # the accept count of the step just verified
 
 
-def test_switching_between_drafters_keeps_the_law():
-    engine = SpeculativeEngine(TARGET, [noisy_copy(TARGET, 1.0, 7), "ngram"], selector=SwitchingSelector())
+def test_adversarial_selection_of_drafter_and_gamma_keeps_the_law():
+    drafters = [noisy_copy(TARGET, 1.0, 7), "ngram"]
+    engine = SpeculativeEngine(TARGET, drafters, gammas=[1, 3], selector=AdversarialSelector(4))
     out = engine.generate(
-        [PROMPT] * SAMPLES, max_new_tokens=5, do_sample=True, temperature=0.8, num_draft_tokens=2,
+        [PROMPT] * SAMPLES, max_new_tokens=10, do_sample=True, temperature=0.8,
         eos_token_id=[], seed=5,
     )
     samples = np.array([s[:3] for s in out.sequences])
     assert chi_square_pvalue(samples, exact_law(0.8, 0, 1.0)) > ALPHA
-    assert all(s.steps > 0 for s in out.stats.per_drafter.values())
+    assert all(s.steps > 0 for s in out.stats.per_arm.values())  # every (drafter, γ) arm ran
 
 
 class ConstantDrafter:

@@ -1,0 +1,126 @@
+"""SPEC.md §8 in the engine: arms are (drafter, γ) pairs, observations reach the selector
+(lagged, with step times), state per context / per request, save and load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flashspec import SpeculativeEngine
+from flashspec.select import Observation
+
+
+def llama(seed: int = 0, vocab: int = 40) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.2)
+    return LlamaForCausalLM(config).eval()
+
+
+TARGET, DRAFT = llama(0), llama(3)
+PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7]]
+
+
+class Recorder:
+    """Round-robin over the arms; records every observation."""
+
+    def __init__(self, num_arms: int) -> None:
+        self.num_arms, self.t, self.seen = num_arms, 0, []
+
+    def select(self, context=None) -> int:
+        self.t += 1
+        return (self.t - 1) % self.num_arms
+
+    def update(self, arm, observation) -> None:
+        self.seen.append((arm, observation))
+
+
+def test_arms_are_drafter_gamma_pairs_with_their_own_statistics():
+    recorder = Recorder(4)
+    engine = SpeculativeEngine(TARGET, [DRAFT, "ngram"], gammas=[1, 3], selector=recorder)
+    assert [engine.arm_label(a) for a in range(4)] == ["llama@1", "llama@3", "ngram@1", "ngram@3"]
+    out = engine.generate(PROMPTS, max_new_tokens=20, eos_token_id=[])
+    per_arm = out.stats.per_arm
+    assert set(per_arm) == {"llama@1", "llama@3", "ngram@1", "ngram@3"}
+    assert sum(a.steps for a in per_arm.values()) == len(recorder.seen)
+    for label, gamma in (("llama@1", 1), ("llama@3", 3), ("ngram@1", 1), ("ngram@3", 3)):
+        arm = per_arm[label]
+        assert arm.steps > 0 and arm.proposed % gamma == 0 and arm.proposed >= arm.accepted
+    # the γ of each observation is the arm's: proposed = γ × active rows
+    gammas = [1, 3, 1, 3]
+    for arm, obs in recorder.seen:
+        assert obs.proposed % gammas[arm] == 0 and obs.proposed // gammas[arm] in (1, 2)
+
+
+@pytest.mark.parametrize("sync_every", [1, 4])
+def test_observations_add_up_to_the_statistics(sync_every):
+    recorder = Recorder(2)
+    engine = SpeculativeEngine(TARGET, [DRAFT], gammas=[2, 4], selector=recorder)
+    out = engine.generate(PROMPTS, max_new_tokens=25, eos_token_id=[], sync_every=sync_every)
+    seen = [obs for _, obs in recorder.seen]
+    assert all(isinstance(o, Observation) and o.seconds > 0 for o in seen)
+    assert sum(o.accepted for o in seen) == out.stats.accepted
+    assert sum(o.proposed for o in seen) == out.stats.proposed
+    assert sum(o.tokens for o in seen) == out.stats.decode_tokens
+    assert out.stats.selector_seconds > 0
+
+
+def test_greedy_output_does_not_depend_on_the_selector():
+    prompts = [[1, 2, 3, 4, 1, 2, 3]]
+    alone = SpeculativeEngine(TARGET, []).generate(prompts, max_new_tokens=24, eos_token_id=[]).sequences
+    for name in ("ucb1", "thompson", "sliding-window-ucb", "epsilon-greedy"):
+        engine = SpeculativeEngine(TARGET, [DRAFT, "ngram"], gammas=[1, 4], selector=name,
+                                   selector_options={"seed": 1})
+        assert engine.generate(prompts, max_new_tokens=24, eos_token_id=[]).sequences == alone
+
+
+def test_each_context_learns_separately_and_the_state_survives_a_restart(tmp_path):
+    options = {"reward": "acceptance", "seed": 0}
+    engine = SpeculativeEngine(TARGET, [DRAFT, "ngram"], gammas=[2], selector="ucb1", selector_options=options)
+    engine.generate(PROMPTS, max_new_tokens=12, eos_token_id=[], context="code")
+    engine.generate(PROMPTS, max_new_tokens=12, eos_token_id=[], context=("chat", 1))
+    assert engine.selector.total_updates == 0  # the default state saw neither request
+    assert engine._selectors["code"].total_updates > 0
+    path = tmp_path / "selector.json"
+    engine.save_selector(str(path))
+    restarted = SpeculativeEngine(TARGET, [DRAFT, "ngram"], gammas=[2], selector="ucb1", selector_options=options)
+    restarted.load_selector(str(path))
+    assert restarted.selector_state() == engine.selector_state()
+    assert json.loads(path.read_text())["contexts"]  # plain JSON on disk
+    # both continue identically
+    a = engine.generate(PROMPTS, max_new_tokens=12, eos_token_id=[], context="code").stats.per_arm
+    b = restarted.generate(PROMPTS, max_new_tokens=12, eos_token_id=[], context="code").stats.per_arm
+    assert {k: v.steps for k, v in a.items()} == {k: v.steps for k, v in b.items()}
+
+
+def test_per_request_selection_starts_afresh_each_time():
+    engine = SpeculativeEngine(TARGET, [DRAFT, "ngram"], selector="ucb1", share_selector=False,
+                               selector_options={"reward": "acceptance", "seed": 0})
+    first = engine.generate(PROMPTS, max_new_tokens=12, eos_token_id=[]).stats.per_arm
+    second = engine.generate(PROMPTS, max_new_tokens=12, eos_token_id=[]).stats.per_arm
+    assert {k: v.steps for k, v in first.items()} == {k: v.steps for k, v in second.items()}
+    assert engine.selector.total_updates == 0
+
+
+@pytest.mark.parametrize("gammas", [[], [0], [2, -1], [1.5], [True], "2"])
+def test_bad_gammas_raise(gammas):
+    with pytest.raises(ValueError, match="gammas"):
+        SpeculativeEngine(TARGET, [DRAFT], gammas=gammas)
+
+
+def test_bad_context_and_state_raise(tmp_path):
+    engine = SpeculativeEngine(TARGET, [DRAFT, "ngram"], selector="ucb1")
+    with pytest.raises(ValueError, match="context"):
+        engine.generate(PROMPTS, max_new_tokens=4, context=["not", "hashable"])
+    with pytest.raises(ValueError, match="selector state"):
+        engine.load_selector_state({"nonsense": 1})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="selector state"):
+        engine.load_selector(str(bad))
+    with pytest.raises(ValueError, match="arm"):  # a selector for 3 arms, but 1 is configured
+        SpeculativeEngine(TARGET, [DRAFT], selector=Recorder(3))
