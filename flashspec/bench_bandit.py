@@ -313,7 +313,10 @@ def plot(results: dict[str, Any], path: str | Path) -> None:
     """Regret curves (mean ± sd band over seeds) per selector, one panel per scenario, with
     the UCB1 bound (restarted at the switch in the non-stationary scenarios); a symmetric-log
     y axis so that the oracle's 0 and the fixed arm's linear regret both show."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("Plots need matplotlib: pip install 'flashspec[bench]' (or pass no plot path).") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
