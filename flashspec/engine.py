@@ -533,7 +533,7 @@ class _Run:
         ws.random.uniform_(generator=self.rng)
         if arm is None:
             return False
-        history = History(self.tokens, self.length, self.active, len(self.chosen), self.max_length)
+        history = History(self.tokens, self.length, self.active, self.max_length)
         drafter = self.engine.drafters[self.engine.arms[arm][0]]
         draft = drafter.propose(history, k, self.params, self.draft_uniforms[:, :k])
         ws.draft_tokens[:, :k].copy_(draft.tokens)

@@ -21,8 +21,7 @@ class History:
     tokens: torch.Tensor  # [B, capacity] long
     length: torch.Tensor  # [B] long
     active: torch.Tensor | None = None  # [B] bool: rows still generating (None: all of them)
-    # Host-side facts, so a drafter can size its work without reading tensors back:
-    step: int = 0  # index of this decode step in the current generate call
+    # A host-side fact, so a drafter can size its work without reading tensors back:
     max_length: int | None = None  # an upper bound on length.max() (None: tokens.shape[1])
 
     def length_bound(self) -> int:
