@@ -223,8 +223,11 @@ def run_selection(
         engine.set_selector(selector, **options)
         selectors[name] = engine.selector  # each system keeps its own learning state
     sampling = dict(do_sample=temperature > 0, temperature=temperature or 1.0)
+    # Warm every arm (compilation, CUDA-graph capture) before anything is timed.
     warm = tokenizer("def f(x):\n    return")["input_ids"]
-    engine.generate([warm], max_new_tokens=4, **sampling)
+    for arm in range(len(engine.arms)):
+        engine.set_selector("fixed", arm=arm)
+        engine.generate([warm], max_new_tokens=48, eos_token_id=[], **sampling)
     rows = []
     contexts: dict[str, dict[Any, Any]] = {name: {} for name in systems}
     for domain, index, prompt in tqdm(workload, desc="mixed workload", unit="prompt"):

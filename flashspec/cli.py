@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     sel.add_argument("--temperature", type=float, default=0.0)
     sel.add_argument("--device", default=None)
     sel.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    sel.add_argument("--compile", action="store_true", help="torch.compile the decode forwards (worth it on a GPU)")
     sel.add_argument("--out", default="benchmarks/results/select_cpu.json")
 
     gpu = bench_sub.add_parser("gpu", help="verify kernels, roofline and speculative step anatomy on a CUDA GPU")
@@ -251,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "discounted-ucb, sliding-window-ucb, epsilon-greedy.")
             target = args.target or fetch_demo_model(DEMO_TARGET)
             drafts = args.draft or [fetch_demo_model(DEMO_DRAFT), "ngram"]
-            engine, _ = _load_pair(target, drafts, args.tokenizer, args.device, args.dtype, gammas=gammas)
+            engine, _ = _load_pair(target, drafts, args.tokenizer, args.device, args.dtype, gammas=gammas,
+                                   compile=args.compile)
             bandits = {}
             for name in selectors:
                 bandits[f"{name} (shared)"] = {"selector": name, "options": {"seed": 0}}

@@ -124,3 +124,30 @@ def test_bad_context_and_state_raise(tmp_path):
         engine.load_selector(str(bad))
     with pytest.raises(ValueError, match="arm"):  # a selector for 3 arms, but 1 is configured
         SpeculativeEngine(TARGET, [DRAFT], selector=Recorder(3))
+
+
+# ------------------------------------------------------------------ drafter catch-up window widths
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from flashspec.drafters.base import History  # noqa: E402
+from flashspec.drafters.model import ModelDrafter  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(bound=st.integers(1, 4096), seen_offset=st.integers(-64, 4096), first=st.booleans())
+def test_drafter_window_covers_unseen_tokens_with_few_distinct_widths(bound, seen_offset, first):
+    """SPEC §4: the re-fed window covers every token the cache has not seen (at most the whole
+    history), and is a power of two unless it is the whole history — so a drafter that is
+    switched in and out meets O(log L) widths (compilations, graphs), not one per gap."""
+    drafter = ModelDrafter.__new__(ModelDrafter)  # _window reads only _seen_through
+    drafter._seen_through = None if first else max(0, bound - seen_offset)
+    history = History(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), max_length=bound)
+    window = drafter._window(history)
+    assert 1 <= window <= bound
+    if first:
+        assert window == bound
+    else:
+        unseen = max(1, 2 + bound - drafter._seen_through)
+        assert window >= min(unseen, bound)
+        assert window == bound or window & (window - 1) == 0

@@ -15,8 +15,9 @@ class ModelDrafter:
     """Drafts autoregressively with its own KV cache (SPEC.md §4).
 
     Each ``propose`` first re-feeds the last ``W`` committed tokens of every row (``W`` covers
-    every token the cache has not seen, bounded on the host: 2 when this drafter also drafted
-    the previous step, the whole prompt the first time), then drafts one token per forward.
+    every token the cache has not seen, bounded on the host and rounded up to a power of two:
+    2 when this drafter also drafted the previous step, the whole prompt the first time), then
+    drafts one token per forward.
     With a :class:`~flashspec.cache.StaticLM` on CUDA the whole proposal is one CUDA graph.
     """
 
@@ -46,8 +47,12 @@ class ModelDrafter:
         if self._seen_through is None:
             return bound
         # After drafting in a step, at most 2 committed tokens are unseen (the last draft, never
-        # fed, and the target's token); each later step adds at most its length growth.
-        return max(1, min(bound, 2 + bound - self._seen_through))
+        # fed, and the target's token); each later step adds at most its length growth. Rounded
+        # up to a power of two: re-feeding a few seen tokens rewrites their cache entries and
+        # costs little, while every distinct width is one more compilation and CUDA graph
+        # (a bandit that switches drafters would otherwise meet a new width at every switch).
+        unseen = max(1, 2 + bound - self._seen_through)
+        return min(bound, 1 << (unseen - 1).bit_length())
 
     def propose(
         self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The H200 report in one run: `flashspec bench gpu` (issue 3: copy bandwidth, verify kernels,
+# roofline, step anatomy, bf16 drift, float32 equality) and `flashspec bench select` (issue 4:
+# bandits against every fixed arm on a mixed workload), with the real Qwen2.5-Coder pair.
+#
+# Expects, on the GPU machine: /tmp/models/target.gguf and /tmp/models/draft.gguf (joined from
+# `split -b 55m` pieces, checked here), the gguf wheel in .whl/ and the corpus in
+# device_carry/corpus (both ignored by git; see BENCHMARKS.md "How the H200 runs were made").
+# Usage: bash benchmarks/h200_session.sh OUTDIR
+set -uo pipefail
+out=${1:?usage: h200_session.sh OUTDIR}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+sha256sum -c - <<SUMS || exit 1
+cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046  /tmp/models/target.gguf
+1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/models/draft.gguf
+SUMS
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+python3 -m flashspec.cli bench gpu --target /tmp/models/target.gguf --draft /tmp/models/draft.gguf \
+    --corpus device_carry/corpus --out "$out/gpu_h200"
+python3 -m flashspec.cli bench select --target /tmp/models/target.gguf \
+    --draft /tmp/models/draft.gguf --draft ngram --gammas 2,4 --selectors thompson,sliding-window-ucb \
+    --corpus device_carry/corpus --prompts-per-domain 8 --prompt-tokens 256 --max-new-tokens 256 \
+    --device cuda --dtype bfloat16 --compile --out "$out/select_h200.json"
