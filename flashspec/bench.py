@@ -24,23 +24,30 @@ DOMAINS = {"code": "code.txt.xz", "prose": "prose.txt.xz", "chat": "dialogue.txt
 HELDOUT_FRACTION = 0.05
 
 
-def heldout_text(corpus_dir: Path, domain: str) -> str:
-    """The last 5 % of the domain's corpus file (decompressed), cut at a line start."""
+def heldout_text(corpus_dir: Path, domain: str, part: str = "heldout") -> str:
+    """The last 5 % of the domain's corpus file (decompressed), cut at a line start.
+    ``part="train"``: the 5 % just before it instead (inside the 95 % that training may read),
+    for warming up learners without touching the evaluation text."""
+    if part not in ("heldout", "train"):
+        raise ValueError(f"part must be 'heldout' or 'train', got {part!r}.")
     path = Path(corpus_dir) / DOMAINS[domain]
     if not path.is_file():
         raise ValueError(f"Corpus file {path} not found; pass --corpus pointing at shared/corpus.")
     data = lzma.decompress(path.read_bytes())
-    start = int(len(data) * (1 - HELDOUT_FRACTION))
-    start = data.index(b"\n", start) + 1
-    return data[start:].decode("utf-8", errors="replace")
+    cut = data.index(b"\n", int(len(data) * (1 - HELDOUT_FRACTION))) + 1
+    if part == "heldout":
+        return data[cut:].decode("utf-8", errors="replace")
+    begin = data.index(b"\n", int(len(data) * (1 - 2 * HELDOUT_FRACTION))) + 1
+    return data[begin:cut].decode("utf-8", errors="replace")
 
 
 def heldout_prompts(
-    corpus_dir: Path, domain: str, count: int, prompt_tokens: int, tokenizer: Any, seed: int = 0
+    corpus_dir: Path, domain: str, count: int, prompt_tokens: int, tokenizer: Any, seed: int = 0,
+    part: str = "heldout",
 ) -> list[list[int]]:
     """``count`` prompts of ``prompt_tokens`` tokens, each starting at a random line of the
-    held-out text (fixed seed)."""
-    text = heldout_text(corpus_dir, domain)
+    held-out text (fixed seed); ``part="train"`` cuts them from training text instead."""
+    text = heldout_text(corpus_dir, domain, part)
     line_starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n" and i + 1 < len(text)]
     rng = random.Random(f"{domain}-{seed}")
     prompts = []
@@ -205,14 +212,25 @@ def run_selection(
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     seed: int = 0,
+    warm_start_prompts: int = 0,
 ) -> dict[str, Any]:
     """A mixed workload (domains interleaved) decoded by every fixed arm of ``engine`` and by
     each bandit configuration in ``bandits`` (name -> ``{"selector": ..., "options": {...},
     "context": "domain" | None}``), prompt by prompt, side by side. Bandits learn across the
-    workload in its order (shared selectors)."""
+    workload in its order (shared selectors).
+
+    ``warm_start_prompts > 0`` adds, for each bandit, a copy that first learns (untimed) on that
+    many prompts per domain cut from *training* text — what a deployed selector whose state
+    survives restarts (``save_selector``/``load_selector``) knows — and then keeps learning on
+    the held-out workload like the others. The fixed arms' best is only known in hindsight."""
     tokenizer = engine.tokenizer
     by_domain = {d: heldout_prompts(corpus_dir, d, prompts_per_domain, prompt_tokens, tokenizer, seed) for d in DOMAINS}
     workload = [(d, i, by_domain[d][i]) for i in range(prompts_per_domain) for d in DOMAINS]
+    if warm_start_prompts:
+        bandits = {**bandits, **{f"{name}, warm-started": {**config, "warm": True} for name, config in bandits.items()}}
+        train = {d: heldout_prompts(corpus_dir, d, warm_start_prompts, prompt_tokens, tokenizer, seed, part="train")
+                 for d in DOMAINS}
+        warm_workload = [(d, train[d][i]) for i in range(warm_start_prompts) for d in DOMAINS]
     systems: dict[str, tuple[Any, dict[str, Any], str | None]] = {}
     for arm in range(len(engine.arms)):
         systems[f"fixed {engine.arm_label(arm)}"] = ("fixed", {"arm": arm}, None)
@@ -230,12 +248,22 @@ def run_selection(
         engine.generate([warm], max_new_tokens=48, eos_token_id=[], **sampling)
     rows = []
     contexts: dict[str, dict[Any, Any]] = {name: {} for name in systems}
+
+    def use(name: str) -> None:  # make ``name``'s learning state the engine's
+        engine.selector = selectors[name]
+        engine._initial_selector_state = engine._selector_state(engine.selector)
+        engine._selectors = contexts[name]
+
+    for name, config in bandits.items():
+        if config.get("warm"):
+            use(name)
+            for domain, prompt in tqdm(warm_workload, desc=f"warm-up: {name}", unit="prompt"):
+                engine.generate([prompt], max_new_tokens=max_new_tokens, eos_token_id=[], seed=seed,
+                                context=domain if config.get("context") == "domain" else None, **sampling)
     for domain, index, prompt in tqdm(workload, desc="mixed workload", unit="prompt"):
         row: dict[str, Any] = {"domain": domain, "prompt": index, "systems": {}}
         for name, (_, _, context_kind) in systems.items():
-            engine.selector = selectors[name]
-            engine._initial_selector_state = engine._selector_state(engine.selector)
-            engine._selectors = contexts[name]
+            use(name)
             context = domain if context_kind == "domain" else None
             out = engine.generate([prompt], max_new_tokens=max_new_tokens, eos_token_id=[], seed=seed + index,
                                   context=context, **sampling)
@@ -252,6 +280,7 @@ def run_selection(
                     "device": str(engine.target.device), "dtype": str(engine.target.dtype)},
         "settings": {"prompts_per_domain": prompts_per_domain, "prompt_tokens": prompt_tokens,
                      "max_new_tokens": max_new_tokens, "temperature": temperature,
+                     "warm_start_prompts_per_domain": warm_start_prompts,
                      "arms": [engine.arm_label(a) for a in range(len(engine.arms))],
                      "bandits": {k: {kk: vv for kk, vv in v.items()} for k, v in bandits.items()},
                      "order": "domains interleaved: code, prose, chat, code, ...",

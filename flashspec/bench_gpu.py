@@ -277,7 +277,9 @@ def run(
     if kernels:
         results["kernels"] = bench_kernels.bench_verify("cuda")
         save()
-        print(bench_kernels.format_table(results["kernels"], copy_bw), flush=True)
+        table = bench_kernels.format_table(results["kernels"], copy_bw)
+        (out_dir / "kernels.md").write_text(table + "\n")
+        print(table, flush=True)
 
     results["pairs"] = []
     if target is not None:

@@ -51,5 +51,9 @@ class Graphs:
         return result
 
     def clear(self) -> None:
-        """Drop every captured graph (their buffers go with them)."""
+        """Drop every captured graph (their buffers go with them). The memory pool goes too:
+        PyTorch frees a private pool once no graph uses it, and capturing into a freed pool's
+        handle trips an internal assertion, so later captures get a fresh pool."""
         self._graphs.clear()
+        if self.enabled:
+            self._pool = torch.cuda.graph_pool_handle()

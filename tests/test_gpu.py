@@ -102,3 +102,16 @@ def test_sync_every_does_not_change_output():
     a = engine.generate(PROMPTS, sync_every=1, **kwargs).sequences
     b = engine.generate(PROMPTS, sync_every=16, **kwargs).sequences
     assert a == b
+
+
+def test_new_request_shapes_after_captures_replace_graphs_cleanly():
+    """A request of a new shape replaces the workspace and drops every captured graph; the next
+    captures must not reuse the dropped graphs' memory pool (a PyTorch assertion, seen on the
+    H200 when `bench select` went from its warm-up prompt to the workload). Arms switched by a
+    bandit, γ changing, capacities and batch sizes changing, greedy output still the target's."""
+    target, draft = tiny("llama", 0), tiny("llama", 1)
+    engine = SpeculativeEngine(target, [draft, "ngram"], gammas=[2, 4], selector="thompson",
+                               selector_options={"seed": 0})
+    for prompts, n in [(PROMPTS[:1], 8), (PROMPTS, 24), ([PROMPTS[2] * 30], 40), (PROMPTS[1:], 300), (PROMPTS[:1], 8)]:
+        out = engine.generate(prompts, max_new_tokens=n, eos_token_id=[])
+        assert out.sequences == [hf_greedy(target, p, n) for p in prompts]

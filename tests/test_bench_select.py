@@ -1,0 +1,63 @@
+"""``flashspec bench select`` (bench.run_selection) on tiny models and a tiny corpus: every
+system decodes every prompt, warm-started bandits learn on training text only, errors are clear."""
+
+from __future__ import annotations
+
+import lzma
+import random
+
+import pytest
+from flashspec import SpeculativeEngine
+from flashspec.bench import DOMAINS, HELDOUT_FRACTION, heldout_text, run_selection
+from tiny_models import noisy_copy, tiny_model
+
+WORDS = ["def", "return", "self", "class", "the", "of", "and", "alpha", "beta", "A:", "B:"]
+
+
+class CharTokenizer:
+    """One token per ASCII character: ids < 128, the tiny models' vocabulary."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) % 128 for c in text]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    for name in DOMAINS.values():
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))) for _ in range(2000)]
+        (folder / name).write_bytes(lzma.compress("\n".join(lines).encode()))
+    return folder
+
+
+def test_training_part_is_the_text_just_before_the_heldout_part(corpus):
+    for domain, name in DOMAINS.items():
+        whole = lzma.decompress((corpus / name).read_bytes()).decode()
+        held, train = heldout_text(corpus, domain), heldout_text(corpus, domain, part="train")
+        assert whole.endswith(train + held)  # adjacent, disjoint, in this order
+        assert len(held) <= HELDOUT_FRACTION * len(whole) and len(train) <= 1.01 * HELDOUT_FRACTION * len(whole)
+    with pytest.raises(ValueError, match="part must be"):
+        heldout_text(corpus, "code", part="test")
+
+
+def test_every_system_decodes_every_prompt_and_warm_starts_add_copies(corpus):
+    target = tiny_model("llama", seed=0)
+    engine = SpeculativeEngine(target, [noisy_copy(target, 0.05, seed=1), "ngram"], gammas=[2, 3],
+                               tokenizer=CharTokenizer())
+    bandits = {"thompson (per domain)": {"selector": "thompson", "options": {"seed": 0}, "context": "domain"}}
+    results = run_selection(engine, corpus, bandits=bandits, prompts_per_domain=2, prompt_tokens=12,
+                            max_new_tokens=10, warm_start_prompts=2)
+    fixed = [f"fixed {engine.arm_label(a)}" for a in range(4)]
+    expected = fixed + ["thompson (per domain)", "thompson (per domain), warm-started"]
+    assert results["settings"]["warm_start_prompts_per_domain"] == 2
+    assert len(results["rows"]) == 2 * len(DOMAINS)
+    for row in results["rows"]:
+        assert list(row["systems"]) == expected
+        for name, system in row["systems"].items():
+            assert system["tokens"] == 10 and system["seconds"] > 0
+            if name.startswith("fixed"):  # a fixed arm never plays another
+                assert list(system["arms"]) == [name.removeprefix("fixed ")]
