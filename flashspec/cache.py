@@ -55,8 +55,10 @@ class StaticLM:
         self.base = model.model
         first = self.base.layers[0].self_attn
         self.head_dim: int = first.head_dim
-        self.num_heads: int = model.config.num_attention_heads
-        self.num_kv_heads: int = model.config.num_key_value_heads
+        # Read off the projections, not the config: a tensor-parallel rank holds only its share
+        # of the heads (flashspec.parallel), and its cache only their keys and values.
+        self.num_heads: int = first.q_proj.weight.shape[0] // self.head_dim
+        self.num_kv_heads: int = first.k_proj.weight.shape[0] // self.head_dim
         self.apply_rope = sys.modules[type(first).__module__].apply_rotary_pos_emb
         self.forward_seconds = 0.0  # host time inside forwards (meaningful on the CPU only)
         self.batch, self.capacity = 0, 0

@@ -18,11 +18,12 @@ from .cache import StaticLM, make_lm
 from .graphs import Graphs
 from .drafters import Drafter, History, ModelDrafter, NgramDrafter
 from .models import context_window, load_model, load_tokenizer, check_no_sliding_window
+from .parallel import tensor_parallel_of
 from .sampling import SamplingParams, sample
 from .select import Observation, Selector, make_selector, selector_from_state_dict
 from .verify import verify
 
-__all__ = ["SpeculativeEngine", "GenerationOutput", "GenerationStats"]
+__all__ = ["SpeculativeEngine", "GenerationOutput", "GenerationStats", "StepRecord"]
 
 
 @dataclass
@@ -30,6 +31,17 @@ class DrafterStats:
     steps: int = 0
     proposed: int = 0
     accepted: int = 0
+
+
+@dataclass
+class StepRecord:
+    """One decode step as the lagged poll saw it (what per-step latency and arm plots need)."""
+
+    arm: str | None  # "drafter@γ"; None for a target-only step
+    accepted: int  # drafts accepted, summed over rows
+    rows: int  # rows still generating
+    committed: int  # tokens committed, summed over rows
+    seconds: float  # host clock on the CPU, CUDA events on a GPU
 
 
 @dataclass
@@ -49,6 +61,7 @@ class GenerationStats:
     per_drafter: dict[str, DrafterStats] = field(default_factory=dict)
     per_arm: dict[str, DrafterStats] = field(default_factory=dict)  # "drafter@γ"
     selector_seconds: float = 0.0  # host time in select() and update()
+    step_log: list[StepRecord] = field(default_factory=list)  # one per decode step, in order
 
     @property
     def acceptance_rate(self) -> float:
@@ -144,6 +157,9 @@ class SpeculativeEngine:
         if not isinstance(target, PreTrainedModel):
             raise ValueError("target must be a transformers causal LM or a path / hub id / .gguf file.")
         self.target = target.eval()
+        # Tensor parallelism (flashspec.parallel, SPEC.md §9): every rank runs this same loop;
+        # the few places that must agree across ranks check self._tp.
+        self._tp = tensor_parallel_of(self.target)
         self.vocab_size: int = target.config.vocab_size
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         if isinstance(drafters, (str, PreTrainedModel)) or isinstance(drafters, Drafter):
@@ -180,6 +196,8 @@ class SpeculativeEngine:
     def set_selector(self, selector: str | Selector, **options: Any) -> None:
         """Choose arms with ``selector`` from now on (a name with its class's options, or an
         object); forgets what the previous selector learned."""
+        if self._tp is not None and isinstance(selector, str) and options.get("seed") is None:
+            options["seed"] = self._tp.shared_seed()  # every rank must choose the same arms
         if self.arms:
             self.selector: Selector | None = make_selector(selector, len(self.arms), **options)
         else:  # target-only: nothing to choose
@@ -375,6 +393,8 @@ class SpeculativeEngine:
         run = _Run(self, rows, params, eos, max_new_tokens, num_draft_tokens, seed, stats, selector, context)
         start = time.perf_counter()
         run.prefill()
+        if self.device.type == "cuda":  # the first poll waits here anyway; the time is then the prefill's
+            torch.cuda.synchronize(self.device)
         stats.prefill_seconds = time.perf_counter() - start
         forward_before = run.forward_seconds()
         with tqdm(total=run.budget, disable=not progress, desc="generating", unit="tok") as bar:
@@ -482,7 +502,11 @@ class _Run:
         self.max_length = longest  # host-side upper bound on length.max()
         self.length_limit = longest + max_new_tokens
         self.rng = torch.Generator(device=device)
-        self.rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+            if engine._tp is not None:
+                seed = engine._tp.shared_seed(seed)  # identical random numbers on every rank
+        self.rng.manual_seed(seed)
         self.draft_uniforms = ws.random[:, :gamma]
         self.verify_uniforms = ws.random[:, gamma:]
         self.chosen: list[int | None] = []  # host: the arm chosen at each step
@@ -537,13 +561,19 @@ class _Run:
         drafter = self.engine.drafters[self.engine.arms[arm][0]]
         draft = drafter.propose(history, k, self.params, self.draft_uniforms[:, :k])
         ws.draft_tokens[:, :k].copy_(draft.tokens)
-        if draft.probs is None:
-            return False
-        if ws.draft_probs is None:
-            shape = (self.batch, self.gamma, draft.probs.shape[-1])
-            ws.draft_probs = torch.empty(shape, dtype=draft.probs.dtype, device=draft.probs.device)
-        ws.draft_probs[:, :k].copy_(draft.probs)
-        return True
+        has_probs = draft.probs is not None
+        if has_probs:
+            if ws.draft_probs is None:
+                shape = (self.batch, self.gamma, draft.probs.shape[-1])
+                ws.draft_probs = torch.empty(shape, dtype=draft.probs.dtype, device=draft.probs.device)
+            ws.draft_probs[:, :k].copy_(draft.probs)
+        if self.engine._tp is not None:
+            # Rank 0's drafts for every rank: replicas of a drafter may differ in the last bit
+            # (e.g. kernels autotuned per process), and the ranks must verify the same drafts.
+            self.engine._tp.broadcast_(ws.draft_tokens)
+            if has_probs:
+                self.engine._tp.broadcast_(ws.draft_probs)
+        return has_probs
 
     def _score_verify_commit(self, k: int, has_probs: bool) -> None:
         """Score the drafts with the target, verify them, commit the result (tensor code only)."""
@@ -569,6 +599,8 @@ class _Run:
             self.clock.mark()
             log = self.ws.log[self.polled : steps].tolist()  # the synchronisation
             seconds = self.clock.durations(steps - self.polled)
+            if self.engine._tp is not None and self.selector is not None:
+                seconds = self.engine._tp.shared_floats(seconds)  # rank 0's clock: same rewards everywhere
             for arm, k, (accepted, active_rows, committed), dt in zip(
                 self.chosen[self.polled :], self.proposed[self.polled :], log, seconds
             ):
@@ -580,6 +612,8 @@ class _Run:
         self, arm: int | None, k: int, accepted: int, active_rows: int, committed: int, seconds: float
     ) -> None:
         stats = self.stats
+        label = None if arm is None else self.labels[arm]
+        stats.step_log.append(StepRecord(label, accepted, active_rows, committed, seconds))
         stats.steps += 1
         stats.row_steps += active_rows
         stats.decode_tokens += committed
