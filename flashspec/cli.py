@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     sel.add_argument("--temperature", type=float, default=0.0)
     sel.add_argument("--device", default=None)
     sel.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    sel.add_argument("--warm-start-prompts", type=int, default=0,
+                     help="also run each bandit warm-started on this many training-text prompts per domain")
     sel.add_argument("--compile", action="store_true", help="torch.compile the decode forwards (worth it on a GPU)")
     sel.add_argument("--out", default="benchmarks/results/select_cpu.json")
 
@@ -107,6 +109,32 @@ def _parser() -> argparse.ArgumentParser:
     gpu.add_argument("--max-new-tokens", type=int, default=256)
     gpu.add_argument("--num-draft-tokens", type=int, default=4)
     gpu.add_argument("--out", default="benchmarks/results/gpu_h200")
+
+    e2e = bench_sub.add_parser("e2e", help="FlashSpec beside transformers' generate / assisted / prompt lookup, "
+                                           "same prompts, one run")
+    e2e.add_argument("--target", default=None, help="default: the demo's 1.5B target")
+    e2e.add_argument("--draft", action="append", default=None,
+                     help="a drafter (repeatable; 'ngram' for prompt lookup); default: the demo's 0.5B and ngram")
+    e2e.add_argument("--tokenizer", default=None, help="default: the target's")
+    e2e.add_argument("--corpus", default="../shared/corpus")
+    e2e.add_argument("--prompts-per-domain", type=int, default=20)
+    e2e.add_argument("--regimes", default="long,short", help="comma-separated: long (256-512 prompt tokens, 256 new), "
+                                                             "short (32 prompt tokens, 20 new)")
+    e2e.add_argument("--batch-sizes", default="1", help="comma-separated")
+    e2e.add_argument("--systems", default=None,
+                     help="comma-separated subset of: hf, hf-static, hf-assisted, hf-lookup, flashspec, "
+                          "flashspec-fixed, flashspec-bandit (default all)")
+    e2e.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
+    e2e.add_argument("--gammas", default="2,4", help="comma-separated draft lengths of the FlashSpec arms")
+    e2e.add_argument("--seed", type=int, default=0)
+    e2e.add_argument("--device", default=None)
+    e2e.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    e2e.add_argument("--compile", action="store_true", help="torch.compile FlashSpec's decode forwards (GPU)")
+    e2e.add_argument("--shaped", action="store_true",
+                     help="random-weight Llama-3-8B-shaped target, Llama-3.2-1B-shaped drafter and ngram, random "
+                          "prompts: step costs only (acceptance is meaningless)")
+    e2e.add_argument("--out", default="benchmarks/results/e2e", help="folder for e2e.json, e2e.md and the PNGs")
+    e2e.add_argument("--no-progress", action="store_true")
     return parser
 
 
@@ -243,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--gammas must be comma-separated integers >= 1; got {args.gammas!r}.") from None
             if not gammas or min(gammas) < 1:
                 raise ValueError(f"--gammas must be comma-separated integers >= 1; got {args.gammas!r}.")
+            if args.warm_start_prompts < 0:
+                raise ValueError(f"--warm-start-prompts must be >= 0; got {args.warm_start_prompts}.")
             from .select import SELECTORS
 
             selectors = [s for s in args.selectors.split(",") if s]
@@ -261,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             results = bench.run_selection(
                 engine, Path(args.corpus), bandits=bandits, prompts_per_domain=args.prompts_per_domain,
                 prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                warm_start_prompts=args.warm_start_prompts,
             )
             out = Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -281,6 +312,40 @@ def main(argv: list[str] | None = None) -> int:
                 prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
                 gamma=args.num_draft_tokens, compile=not args.no_compile,
             )
+        elif args.command == "bench" and args.bench == "e2e":
+            from . import bench_e2e
+
+            # Every option is checked before minutes of model loading.
+            regimes = bench_e2e.parse_regimes(args.regimes)
+            batch_sizes = bench_e2e.parse_ints(args.batch_sizes, "--batch-sizes")
+            gammas = bench_e2e.parse_ints(args.gammas, "--gammas")
+            systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
+            options = dict(systems=bench_e2e.FAMILY_NAMES if systems is None else systems, batch_sizes=batch_sizes,
+                           gammas=gammas, prompts_per_domain=args.prompts_per_domain,
+                           temperature=args.temperature, regimes=regimes)
+            bench_e2e.check_options(**options)
+            if args.shaped and (args.target or args.draft):
+                raise ValueError("--shaped builds its own target and drafters; leave out --target and --draft.")
+            drafts = [] if args.shaped else args.draft
+            if drafts is None:
+                from .models import DEMO_DRAFT, fetch_demo_model
+
+                drafts = [fetch_demo_model(DEMO_DRAFT), "ngram"]
+            names = ["llama3-1b", "ngram"] if args.shaped else [bench_e2e.drafter_name(d) for d in drafts]
+            bench_e2e.check_options(**options, drafters=names)
+            target = args.target
+            if target is None and not args.shaped:
+                from .models import DEMO_TARGET, fetch_demo_model
+
+                target = fetch_demo_model(DEMO_TARGET)
+            results = bench_e2e.load_and_run(
+                Path(args.out), target=target, drafts=drafts, tokenizer=args.tokenizer, corpus=Path(args.corpus),
+                shaped=args.shaped, device=args.device, dtype=args.dtype, regimes=regimes,
+                prompts_per_domain=args.prompts_per_domain, seed=args.seed, systems=systems,
+                batch_sizes=batch_sizes, gammas=gammas, temperature=args.temperature, compile=args.compile,
+                progress=not args.no_progress,
+            )
+            print(bench_e2e.summarize(results))
     except ValueError as error:
         print(f"flashspec: error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,1023 @@
+"""``flashspec bench e2e``: FlashSpec side by side with what users would pick instead, in one run.
+
+One process, one target, the same held-out prompts. For every regime (prompt and output length)
+and batch size, each group of prompts is decoded by every system in turn before the next group
+starts, so all systems see the same machine state; the tables report medians and paired ratios.
+
+Systems come from :data:`FAMILIES`, a list of small entries: Hugging Face ``generate()`` (plain,
+static cache, assisted by each model drafter, prompt lookup) and FlashSpec (target-only, every
+fixed (drafter, γ) arm, Thompson-sampling bandit over all arms with one state per domain).
+A new drafter or verification mode is one more entry there.
+
+Prompts: ``heldout_prompts`` (flashspec/bench.py) cuts them from the last 5 % of each corpus
+file's decompressed bytes (from the first line start after the 95 % mark), starting at a random
+line among the first 90 % of the held-out lines (seeded per domain). Each prompt is then cut to
+a length drawn uniformly from the regime's range; the short regime's prompts are the first
+tokens of the long regime's. EOS never stops a row: every system produces exactly the regime's
+new tokens (FlashSpec ``eos_token_id=[]``, transformers ``GenerationConfig(eos_token_id=[])``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .bench import DOMAINS, HELDOUT_FRACTION, heldout_prompts
+from .cache import make_lm
+from .drafters import History, ModelDrafter, NgramDrafter
+from .engine import SpeculativeEngine
+from .sampling import SamplingParams
+
+__all__ = [
+    "FAMILIES",
+    "REGIMES",
+    "Regime",
+    "check_options",
+    "make_prompts",
+    "predicted_speedup",
+    "run",
+    "summarize",
+    "write",
+]
+
+HF_LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens: the value transformers' docs use
+BANDIT_SELECTOR = "thompson"
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Prompt lengths drawn uniformly from ``[min_prompt, max_prompt]`` tokens; ``new_tokens``
+    generated per row."""
+
+    min_prompt: int
+    max_prompt: int
+    new_tokens: int
+
+    def describe(self) -> str:
+        lo, hi = self.min_prompt, self.max_prompt
+        prompt = f"{lo}" if lo == hi else f"{lo}–{hi}"
+        return f"{prompt} prompt tokens, {self.new_tokens} new tokens"
+
+
+REGIMES = {"long": Regime(256, 512, 256), "short": Regime(32, 32, 20)}
+
+
+# ----------------------------------------------------------------------------- one measured call
+@dataclass
+class Call:
+    """What one timed generate call returns; every system fills the same fields."""
+
+    sequences: list[list[int]]  # new tokens per row
+    seconds: float  # wall clock of the whole call (device synchronised on both ends)
+    first_token_seconds: float  # from the call's start until the first new token exists
+    step_seconds: list[float]  # each decode step after the first token
+    step_tokens: list[float]  # tokens committed per row, per decode step
+    step_accepted: list[float]  # drafts accepted per row, per decode step
+    accepted: int | None = None  # drafts accepted, all rows (None: the system does not say)
+    proposed: int | None = None
+    arms: list[str | None] | None = None  # the arm of each step (FlashSpec)
+    peak_memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated during the call
+    peak_growth_bytes: int | None = None  # ... minus what was allocated when it started
+
+
+@contextmanager
+def _measured(device: torch.device) -> Iterator[dict[str, Any]]:
+    """Wall time of the body (synchronised on CUDA) and, on CUDA, its peak allocation."""
+    box: dict[str, Any] = {"peak": None, "growth": None}
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    box["start"] = time.perf_counter()
+    yield box
+    if cuda:
+        torch.cuda.synchronize(device)
+    box["seconds"] = time.perf_counter() - box["start"]
+    if cuda:
+        box["peak"] = torch.cuda.max_memory_allocated(device)
+        box["growth"] = box["peak"] - before
+
+
+class _StreamClock:
+    """A transformers streamer that only timestamps each ``put``: the prompt first, then every
+    decode step's new tokens (``[B]`` plain, ``[1, n]`` assisted)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.tokens: list[int] = []  # new tokens per row in each put
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+        self.tokens.append(value.shape[-1] if value.dim() == 2 else 1)
+
+    def end(self) -> None:
+        pass
+
+
+def _weight_bytes(*models: Any) -> int:
+    seen, total = set(), 0
+    for model in models:
+        for p in model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------- systems
+@dataclass
+class Setup:
+    """What the system builders draw on."""
+
+    target: Any
+    drafters: dict[str, Any]  # name -> model, or "ngram"
+    gammas: list[int]
+    seed: int
+    compile: bool
+
+    @property
+    def model_drafters(self) -> dict[str, Any]:
+        return {n: d for n, d in self.drafters.items() if not isinstance(d, str)}
+
+    def engine(self, names: list[str], gammas: list[int] | None = None, **options: Any) -> SpeculativeEngine:
+        """A FlashSpec engine over ``names`` (fresh drafter objects; models are shared)."""
+        vocab = self.target.config.vocab_size
+        drafters = [
+            NgramDrafter() if isinstance(self.drafters[n], str)
+            else ModelDrafter(self.drafters[n], vocab, name=n, compile=self.compile)
+            for n in names
+        ]
+        return SpeculativeEngine(self.target, drafters, gammas=gammas, compile=self.compile, **options)
+
+
+@dataclass(eq=False)
+class System:
+    """One way to decode: ``generate`` gives a :class:`Call`; ``warm`` runs untimed before a
+    regime × batch cell (allocation, compilation, CUDA graphs)."""
+
+    name: str
+    family: str
+    models: list[Any]
+    drafter: str | None = None  # the fixed drafter and γ, for the analytic prediction
+    gamma: int | None = None
+    batch1_only: bool = False
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def warm(self, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int) -> None:
+        self.generate(prompts, new_tokens, temperature, seed, context=None)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int,
+                 context: str | None) -> Call:
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class HFSystem(System):
+    """``model.generate()`` of transformers with extra generation options (and an assistant)."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+    assistant: Any = None
+
+    def generate(self, prompts, new_tokens, temperature, seed, context):
+        from transformers import GenerationConfig
+
+        model = self.models[0]
+        pad = model.generation_config.pad_token_id
+        pad = pad if isinstance(pad, int) else 0
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+        # Every option that changes the law explicit: transformers would otherwise fill unset ones
+        # from the checkpoint's generation_config (top_p, repetition_penalty, ...).
+        sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+        config = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=pad,
+                                  do_sample=temperature > 0, repetition_penalty=1.0, **sampling, **self.options)
+        clock = _StreamClock()
+        extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        if temperature > 0:
+            torch.manual_seed(seed)
+        with torch.inference_mode(), _measured(model.device) as m:
+            out = model.generate(ids, attention_mask=mask, generation_config=config, streamer=clock, **extra)
+        sequences = out[:, width:].tolist()
+        steps = clock.tokens[1:]  # the first put is the prompt
+        times = clock.times[1:]
+        return Call(
+            sequences=sequences,
+            seconds=m["seconds"],
+            first_token_seconds=times[0] - m["start"] if times else m["seconds"],
+            step_seconds=[b - a for a, b in zip(times, times[1:])],
+            step_tokens=[float(n) for n in steps[1:]],
+            step_accepted=[float(n - 1) for n in steps[1:]],
+            peak_memory_bytes=m["peak"],
+            peak_growth_bytes=m["growth"],
+        )
+
+
+@dataclass(eq=False)
+class FlashSpecSystem(System):
+    """A :class:`SpeculativeEngine`; ``per_context`` passes the domain as ``context=``. With a
+    learning ``selector`` (name and options), warming plays every arm and then starts the
+    selector afresh, so each regime × batch cell learns from scratch."""
+
+    engine: Any = None
+    per_context: bool = False
+    selector: str | None = None
+    selector_options: dict[str, Any] = field(default_factory=dict)
+
+    def warm(self, prompts, new_tokens, temperature, seed):
+        if self.selector is None:
+            return super().warm(prompts, new_tokens, temperature, seed)
+        for arm in range(len(self.engine.arms)):
+            self.engine.set_selector("fixed", arm=arm)
+            super().warm(prompts, new_tokens, temperature, seed)
+        self.engine.set_selector(self.selector, **self.selector_options)
+
+    def generate(self, prompts, new_tokens, temperature, seed, context):
+        engine = self.engine
+        with _measured(engine.target.device) as m:
+            out = engine.generate(
+                prompts, max_new_tokens=new_tokens, eos_token_id=[], do_sample=temperature > 0,
+                temperature=temperature or 1.0, seed=seed, context=context if self.per_context else None,
+            )
+        s = out.stats
+        log = s.step_log
+        return Call(
+            sequences=out.sequences,
+            seconds=m["seconds"],
+            # the engine's clock starts at the prefill; what came before it counts too
+            first_token_seconds=m["seconds"] - s.seconds + s.prefill_seconds,
+            step_seconds=[r.seconds for r in log if r.rows],
+            step_tokens=[r.committed / r.rows for r in log if r.rows],
+            step_accepted=[r.accepted / r.rows for r in log if r.rows],
+            accepted=s.accepted if engine.arms else None,
+            proposed=s.proposed if engine.arms else None,
+            arms=[r.arm for r in log if r.rows] if len(engine.arms) > 1 else None,
+            peak_memory_bytes=m["peak"],
+            peak_growth_bytes=m["growth"],
+        )
+
+
+def _assisted_settings(assistant: Any) -> dict[str, Any]:
+    """The assisted-generation settings transformers will use (the checkpoint's or its defaults)."""
+    from transformers import GenerationConfig
+
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", lambda: {})()
+    keys = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+    return {k: v if (v := getattr(assistant.generation_config, k, None)) is not None else defaults.get(k) for k in keys}
+
+
+def _hf(s: Setup) -> list[System]:
+    return [HFSystem("hf", "hf", [s.target])]
+
+
+def _hf_static(s: Setup) -> list[System]:
+    return [HFSystem("hf-static", "hf-static", [s.target], options={"cache_implementation": "static"})]
+
+
+def _hf_assisted(s: Setup) -> list[System]:
+    return [HFSystem(f"hf-assisted {n}", "hf-assisted", [s.target, m], drafter=n, batch1_only=True, assistant=m,
+                     settings=_assisted_settings(m)) for n, m in s.model_drafters.items()]
+
+
+def _hf_lookup(s: Setup) -> list[System]:
+    options = {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS}
+    return [HFSystem("hf-lookup", "hf-lookup", [s.target], batch1_only=True, options=options, settings=options)]
+
+
+def _flashspec(s: Setup) -> list[System]:
+    return [FlashSpecSystem("flashspec", "flashspec", [s.target], engine=s.engine([]))]
+
+
+def _flashspec_fixed(s: Setup) -> list[System]:
+    return [
+        FlashSpecSystem(f"flashspec {n}@{g}", "flashspec-fixed", [s.target] + ([] if isinstance(d, str) else [d]),
+                        drafter=n, gamma=g, engine=s.engine([n], gammas=[g]))
+        for n, d in s.drafters.items() for g in s.gammas
+    ]
+
+
+def _flashspec_bandit(s: Setup) -> list[System]:
+    options = {"seed": s.seed}
+    engine = s.engine(list(s.drafters), gammas=s.gammas, selector=BANDIT_SELECTOR, selector_options=options)
+    arms = [engine.arm_label(a) for a in range(len(engine.arms))]
+    return [FlashSpecSystem("flashspec bandit", "flashspec-bandit", [s.target, *s.model_drafters.values()],
+                            engine=engine, per_context=True, selector=BANDIT_SELECTOR, selector_options=options,
+                            settings={"selector": BANDIT_SELECTOR, "arms": arms, "context": "domain"})]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A kind of system: ``build`` turns the setup into its systems (one per drafter, arm, ...)."""
+
+    name: str
+    description: str
+    build: Callable[[Setup], list[System]]
+    needs_drafter: bool = False
+
+
+FAMILIES = [
+    Family("hf", "transformers `generate()`, target only, dynamic cache", _hf),
+    Family("hf-static", "transformers `generate()`, target only, `cache_implementation=\"static\"` "
+           "(transformers compiles the decode forward on CUDA; eager on the CPU)", _hf_static),
+    Family("hf-assisted", "transformers assisted generation, `assistant_model=` each model drafter, its default "
+           "settings; batch 1 only", _hf_assisted, needs_drafter=True),
+    Family("hf-lookup", f"transformers prompt lookup, `prompt_lookup_num_tokens={HF_LOOKUP_TOKENS}`; batch 1 only",
+           _hf_lookup),
+    Family("flashspec", "FlashSpec, target only (the same loop, no drafts)", _flashspec),
+    Family("flashspec-fixed", "FlashSpec with one fixed (drafter, γ) arm, for every drafter × γ", _flashspec_fixed,
+           needs_drafter=True),
+    Family("flashspec-bandit", f"FlashSpec, {BANDIT_SELECTOR} sampling over all drafters × γ, one state per "
+           "domain, fresh for each regime × batch cell", _flashspec_bandit, needs_drafter=True),
+]
+FAMILY_NAMES = [f.name for f in FAMILIES]
+
+
+# ----------------------------------------------------------------------------- options and prompts
+def check_options(
+    *, systems: list[str], batch_sizes: list[int], gammas: list[int], prompts_per_domain: int,
+    temperature: float, regimes: dict[str, Regime], drafters: list[str] | None = None,
+) -> None:
+    """Raise a ValueError for anything that would fail later (before minutes of model loading)."""
+    if not systems:
+        raise ValueError("No systems chosen; pick from: " + ", ".join(FAMILY_NAMES) + ".")
+    for name in systems:
+        if name not in FAMILY_NAMES:
+            raise ValueError(f"Unknown system {name!r}; choose from: {', '.join(FAMILY_NAMES)}.")
+    if not batch_sizes:
+        raise ValueError("batch sizes must be a non-empty list of integers >= 1.")
+    for b in batch_sizes:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"batch sizes must be integers >= 1; got {b!r}.")
+    if not gammas or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in gammas):
+        raise ValueError(f"gammas must be a non-empty list of integers >= 1; got {gammas!r}.")
+    if isinstance(prompts_per_domain, bool) or not isinstance(prompts_per_domain, int) or prompts_per_domain < 1:
+        raise ValueError(f"prompts per domain must be an integer >= 1; got {prompts_per_domain!r}.")
+    if prompts_per_domain < max(batch_sizes):
+        raise ValueError(f"prompts per domain ({prompts_per_domain}) must be at least the largest batch size "
+                         f"({max(batch_sizes)}): batches are made of one domain's prompts.")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a number >= 0 (0 means greedy); got {temperature!r}.")
+    if not regimes:
+        raise ValueError("No regimes chosen; pick from: " + ", ".join(REGIMES) + ".")
+    for name, r in regimes.items():
+        if not (1 <= r.min_prompt <= r.max_prompt and r.new_tokens >= 1):
+            raise ValueError(f"Regime {name!r} needs 1 <= min_prompt <= max_prompt and new_tokens >= 1; got {r}.")
+    if drafters is not None:
+        for name in systems:
+            family = next(f for f in FAMILIES if f.name == name)
+            if family.needs_drafter and not drafters:
+                raise ValueError(f"System {name!r} needs at least one drafter (--draft).")
+        if len(set(drafters)) != len(drafters):
+            raise ValueError(f"Drafter names must be distinct; got {drafters!r}.")
+
+
+def parse_regimes(text: str) -> dict[str, Regime]:
+    """``"long,short"`` → the named :data:`REGIMES`."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if n not in REGIMES:
+            raise ValueError(f"Unknown regime {n!r}; choose from: {', '.join(REGIMES)}.")
+    return {n: REGIMES[n] for n in names}
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    """Comma-separated integers, as a clear ValueError when they are not."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers; got {text!r}.") from None
+
+
+def make_prompts(
+    regimes: dict[str, Regime], count: int, *, tokenizer: Any = None, corpus: Path | None = None,
+    vocab_size: int | None = None, seed: int = 0,
+) -> dict[str, dict[str, list[list[int]]]]:
+    """Prompts per regime and domain: held-out corpus text (``tokenizer`` and ``corpus``), or
+    random token ids in one domain ``"random"`` (``vocab_size``; for random-weight models)."""
+    longest = max(r.max_prompt for r in regimes.values())
+    if tokenizer is not None:
+        if corpus is None:
+            raise ValueError("Corpus prompts need the corpus folder (--corpus).")
+        full = {d: heldout_prompts(Path(corpus), d, count, longest, tokenizer, seed) for d in DOMAINS}
+    else:
+        if vocab_size is None:
+            raise ValueError("Random prompts need the vocabulary size.")
+        gen = torch.Generator().manual_seed(seed)
+        full = {"random": [torch.randint(0, vocab_size, (longest,), generator=gen).tolist() for _ in range(count)]}
+    prompts: dict[str, dict[str, list[list[int]]]] = {}
+    for name, r in regimes.items():
+        rng = random.Random(f"{name}-{seed}")
+        prompts[name] = {d: [p[: rng.randint(r.min_prompt, r.max_prompt)] for p in ps] for d, ps in full.items()}
+    return prompts
+
+
+# ----------------------------------------------------------------------------- the analytic model
+def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Expected speedup of speculative decoding over target-only (Leviathan et al. 2023): each
+    step yields (1 − α^(γ+1)) / (1 − α) tokens and costs γc + 1 target forwards, where α is the
+    per-draft acceptance rate and c the drafter's cost per token relative to a target forward."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must lie in [0, 1]; got {alpha!r}.")
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"gamma must be an integer >= 1; got {gamma!r}.")
+    if not c >= 0:
+        raise ValueError(f"c must be >= 0; got {c!r}.")
+    tokens = gamma + 1 if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + 1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls after an untimed one: on a shared machine other
+    work only ever adds time, so the minimum is the least disturbed estimate."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+@torch.inference_mode()
+def forward_costs(target: Any, drafters: dict[str, Any], gammas: list[int], context: int, capacity: int,
+                  repeats: int = 5) -> dict[str, Any]:
+    """Seconds (best of ``repeats``) of one cached target forward over 1 and γ + 1 tokens after
+    ``context`` tokens, and of each drafter per drafted token (a 1-token model forward; an n-gram
+    proposal of γ tokens over a ``capacity``-wide token buffer, the engine's, divided by γ);
+    ``c`` = drafter per token / target 1-token forward."""
+    device = target.device
+    vocab = target.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    widths = sorted({1} | {g + 1 for g in gammas})
+
+    def lm_cost(model: Any, width: int) -> float:
+        lm = make_lm(model)
+        lm.reset(1, context + max(widths) + 1)
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)
+        lm.forward(prefix, zero, logits_at=zero[:, None] + context - 1)
+        new = torch.randint(0, vocab, (1, width), generator=gen).to(device)
+        return _best_seconds(lambda: lm.forward(new, zero + context), device, repeats)
+
+    result: dict[str, Any] = {"context": context, "capacity": capacity, "repeats": repeats}
+    result["target_seconds"] = {str(w): lm_cost(target, w) for w in widths}
+    one = result["target_seconds"]["1"]
+    result["drafters"] = {}
+    for name, d in drafters.items():
+        if isinstance(d, str):
+            tokens = torch.randint(0, vocab, (1, max(capacity, context + 1)), generator=gen).to(device)
+            history = History(tokens, torch.tensor([context], device=device), None, context)
+            params = SamplingParams()
+            uniforms = torch.zeros(1, max(gammas), dtype=torch.float64, device=device)
+            drafter = NgramDrafter()
+            per_token = min(
+                _best_seconds(lambda: drafter.propose(history, g, params, uniforms[:, :g]), device, repeats) / g
+                for g in gammas
+            )
+        else:
+            per_token = lm_cost(d, 1)
+        result["drafters"][name] = {"seconds_per_token": per_token, "c": per_token / one}
+    return result
+
+
+# ----------------------------------------------------------------------------- the run
+def _machine(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    import transformers
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": str(device), "dtype": str(dtype)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _groups(prompts: dict[str, list[list[int]]], batch: int) -> list[tuple[str, list[int]]]:
+    """Full batches of one domain's consecutive prompts, domains interleaved (code, prose, chat,
+    code, ...): the order a mixed workload arrives in, and the bandit learns in."""
+    per_domain = {d: [list(range(i, i + batch)) for i in range(0, len(ps) - batch + 1, batch)]
+                  for d, ps in prompts.items()}
+    rounds = max(len(g) for g in per_domain.values())
+    return [(d, per_domain[d][i]) for i in range(rounds) for d in per_domain if i < len(per_domain[d])]
+
+
+def run(
+    target: Any,
+    drafters: dict[str, Any],
+    prompts: dict[str, dict[str, list[list[int]]]],
+    regimes: dict[str, Regime],
+    *,
+    systems: list[str] | None = None,
+    batch_sizes: tuple[int, ...] | list[int] = (1,),
+    gammas: tuple[int, ...] | list[int] = (2, 4),
+    temperature: float = 0.0,
+    seed: int = 0,
+    compile: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Decode ``prompts`` (from :func:`make_prompts`) with every chosen system family; return
+    raw calls, per-cell summaries, greedy checks and forward costs (see :func:`write`).
+
+    ``drafters`` maps a name to a loaded model sharing the target's vocabulary, or to
+    ``"ngram"``. Prompt-lookup and assisted transformers systems only run at batch 1."""
+    systems = list(FAMILY_NAMES if systems is None else systems)
+    batch_sizes, gammas = list(batch_sizes), list(gammas)
+    counts = {len(ps) for by_domain in prompts.values() for ps in by_domain.values()}
+    check_options(systems=systems, batch_sizes=batch_sizes, gammas=gammas, prompts_per_domain=min(counts),
+                  temperature=temperature, regimes=regimes, drafters=list(drafters))
+    if set(prompts) != set(regimes):
+        raise ValueError(f"prompts has regimes {sorted(prompts)} but regimes has {sorted(regimes)}.")
+    device = target.device
+    setup = Setup(target, drafters, gammas, seed, compile)
+    built = {f.name: f.build(setup) for f in FAMILIES if f.name in systems}
+    chosen = [s for family in built.values() for s in family]
+    if not chosen:
+        raise ValueError(f"The chosen systems ({', '.join(systems)}) have nothing to run with these drafters "
+                         "(hf-assisted needs a model drafter).")
+    names = [s.name for s in chosen]
+    results: dict[str, Any] = {
+        "machine": _machine(device, next(target.parameters()).dtype),
+        "settings": {
+            "regimes": {n: vars(r) for n, r in regimes.items()},
+            "batch_sizes": batch_sizes, "gammas": gammas, "temperature": temperature, "seed": seed,
+            "compile": compile, "prompts_per_domain": min(counts), "drafters": list(drafters),
+            "heldout": f"last {HELDOUT_FRACTION:.0%} of each corpus file's decompressed bytes",
+            "eos": "disabled: every row generates exactly the regime's new tokens",
+            "peak_memory": "CUDA only: torch.cuda.max_memory_allocated during the call (every loaded model and "
+                           "every engine's buffers count); not measured on the CPU, see weight_bytes",
+        },
+        "systems": [{"name": s.name, "family": s.family, "drafter": s.drafter, "gamma": s.gamma,
+                     "batch1_only": s.batch1_only, "weight_bytes": _weight_bytes(*s.models), **s.settings}
+                    for s in chosen],
+        "families": {f.name: f.description for f in FAMILIES if f.name in systems},
+        "families_without_systems": [name for name, family in built.items() if not family],
+        "cells": [],
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    for regime_name, regime in regimes.items():
+        by_domain = prompts[regime_name]
+        lengths = [len(p) for ps in by_domain.values() for p in ps]
+        context = int(statistics.mean(lengths) + regime.new_tokens / 2)
+        capacity = -(-(max(lengths) + regime.new_tokens + max(gammas) + 2) // 256) * 256  # as the engine sizes it
+        costs = None
+        if any(s.drafter for s in chosen):
+            costs = forward_costs(target, drafters, gammas, context, capacity)
+        for batch in batch_sizes:
+            cell = _run_cell(chosen, by_domain, regime, batch, temperature, seed, progress,
+                             f"{regime_name} b{batch}")
+            cell.update(regime=regime_name, batch_size=batch, forward_costs=costs)
+            cell["summary"] = _summarize_cell(cell, chosen, names, costs)
+            if temperature == 0:
+                cell["greedy"] = _greedy_check(cell["calls"])
+            results["cells"].append(cell)
+    if temperature > 0:
+        _add_perplexities(target, prompts, results["cells"], progress)
+        for cell in results["cells"]:
+            for row in cell["summary"]:
+                calls = [c for c in cell["calls"] if c["system"] == row["system"]
+                         and (row["domain"] == "all" or c["domain"] == row["domain"])]
+                values = [v for c in calls for v in c.get("perplexity", [])]
+                row["perplexity_median"] = statistics.median(values) if values else None
+    return results
+
+
+def _run_cell(chosen: list[System], by_domain: dict[str, list[list[int]]], regime: Regime, batch: int,
+              temperature: float, seed: int, progress: bool, label: str) -> dict[str, Any]:
+    groups = _groups(by_domain, batch)
+    active = [s for s in chosen if not (s.batch1_only and batch > 1)]
+    skipped = [{"system": s.name, "reason": "transformers runs assisted generation and prompt lookup at batch 1 only"}
+               for s in chosen if s not in active]
+    # Untimed warm-up on the cell's longest batch with the full budget: allocation, caches sized
+    # for every later batch, compilation and CUDA graphs happen here.
+    warm_domain, warm_group = max(groups, key=lambda g: max(len(by_domain[g[0]][i]) for i in g[1]))
+    warm = [by_domain[warm_domain][i] for i in warm_group]
+    for system in tqdm(active, desc=f"{label} warm-up", unit="system", disable=not progress, leave=False):
+        system.warm(warm, regime.new_tokens, temperature, seed)
+    calls = []
+    bar = tqdm(total=len(groups) * len(active), desc=label, unit="call", disable=not progress)
+    for index, (domain, group) in enumerate(groups):
+        batch_prompts = [by_domain[domain][i] for i in group]
+        for system in active:
+            bar.set_postfix_str(f"{domain} {system.name}", refresh=False)
+            call = system.generate(batch_prompts, regime.new_tokens, temperature, seed + index, context=domain)
+            tokens = sum(len(s) for s in call.sequences)
+            calls.append({
+                "domain": domain, "group": index, "prompts": group, "prompt_tokens": [len(p) for p in batch_prompts],
+                "system": system.name, "new_tokens": tokens, "seconds": call.seconds,
+                "tokens_per_second": tokens / call.seconds, "first_token_seconds": call.first_token_seconds,
+                "accepted": call.accepted, "proposed": call.proposed,
+                "peak_memory_bytes": call.peak_memory_bytes, "peak_growth_bytes": call.peak_growth_bytes,
+                "step_seconds": [round(t, 7) for t in call.step_seconds],
+                "step_tokens": [round(t, 4) for t in call.step_tokens],
+                "step_accepted": [round(t, 4) for t in call.step_accepted],
+                **({"arms": call.arms} if call.arms is not None else {}),
+                "sequences": call.sequences,
+            })
+            bar.update()
+    bar.close()
+    return {"calls": calls, "not_applicable": skipped}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    q1, median, q3 = np.percentile(values, [25, 50, 75])
+    return {"median": float(median), "min": min(values), "max": max(values), "q1": float(q1), "q3": float(q3)}
+
+
+def _paired_speedup(calls: list[dict[str, Any]], system: str, baseline: str) -> float | None:
+    """Median over batches of (system tokens/s) / (baseline tokens/s) on the same batch."""
+    rates = {(c["domain"], c["group"]): c["tokens_per_second"] for c in calls if c["system"] == baseline}
+    ratios = [c["tokens_per_second"] / rates[(c["domain"], c["group"])] for c in calls
+              if c["system"] == system and (c["domain"], c["group"]) in rates]
+    return statistics.median(ratios) if ratios else None
+
+
+def _summarize_cell(cell: dict[str, Any], chosen: list[System], names: list[str],
+                    costs: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One row per system per domain, and per system over all domains ("all")."""
+    calls = cell["calls"]
+    by_name = {s.name: s for s in chosen}
+    domains = list(dict.fromkeys(c["domain"] for c in calls))
+    rows = []
+    for domain in domains + ["all"]:
+        in_domain = [c for c in calls if domain == "all" or c["domain"] == domain]
+        for name in names:
+            own = [c for c in in_domain if c["system"] == name]
+            if not own:
+                continue
+            system = by_name[name]
+            steps = [t for c in own for t in c["step_seconds"]]
+            accepted = [a for c in own for a in c["step_accepted"]]
+            tokens = [t for c in own for t in c["step_tokens"]]
+            proposed = sum(c["proposed"] or 0 for c in own)
+            peaks = [c["peak_memory_bytes"] for c in own if c["peak_memory_bytes"] is not None]
+            row: dict[str, Any] = {
+                "domain": domain, "system": name, "calls": len(own),
+                "tokens_per_second": _spread([c["tokens_per_second"] for c in own]),
+                "tokens_per_step": statistics.mean(tokens) if tokens else None,
+                "accepted_per_step": statistics.mean(accepted) if accepted else None,
+                "acceptance_rate": sum(c["accepted"] for c in own) / proposed if proposed else None,
+                "step_ms_p50": float(np.percentile(steps, 50)) * 1e3 if steps else None,
+                "step_ms_p99": float(np.percentile(steps, 99)) * 1e3 if steps else None,
+                "first_token_ms_median": statistics.median(c["first_token_seconds"] for c in own) * 1e3,
+                "peak_memory_bytes": max(peaks) if peaks else None,
+                "speedup_vs_hf": _paired_speedup(in_domain, name, "hf"),
+                "speedup_vs_flashspec": _paired_speedup(in_domain, name, "flashspec"),
+            }
+            arms = [a for c in own for a in c.get("arms", [])]
+            if arms:
+                row["arm_steps"] = {a: arms.count(a) for a in dict.fromkeys(arms)}
+            if system.gamma is not None and costs is not None and row["acceptance_rate"] is not None:
+                c_ratio = costs["drafters"][system.drafter]["c"]
+                predicted = predicted_speedup(row["acceptance_rate"], system.gamma, c_ratio)
+                measured = row["speedup_vs_flashspec"]
+                # The formula prices verifying γ + 1 tokens as one 1-token forward; v is what it
+                # measured, and the second figure prices it so (a diagnostic for the gap).
+                v = costs["target_seconds"][str(system.gamma + 1)] / costs["target_seconds"]["1"]
+                row["predicted"] = {"alpha": row["acceptance_rate"], "gamma": system.gamma, "c": c_ratio,
+                                    "speedup": predicted,
+                                    "measured_over_predicted": measured / predicted if measured is not None else None,
+                                    "verify_cost": v,
+                                    "speedup_with_verify_cost": predicted * (system.gamma * c_ratio + 1)
+                                    / (system.gamma * c_ratio + v)}
+            rows.append(row)
+    return rows
+
+
+def _greedy_check(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every system's greedy outputs against the reference system's (FlashSpec target-only,
+    else transformers', else the first system that ran), prompt by prompt."""
+    names = list(dict.fromkeys(c["system"] for c in calls))
+    reference = next((n for n in ("flashspec", "hf") if n in names), names[0])
+    ref = {(c["domain"], c["group"]): c["sequences"] for c in calls if c["system"] == reference}
+    report: dict[str, Any] = {"reference": reference, "systems": {}}
+    for name in names:
+        if name == reference:
+            continue
+        compared, differing = 0, []
+        for c in calls:
+            if c["system"] != name:
+                continue
+            for row, (ours, theirs) in enumerate(zip(c["sequences"], ref[(c["domain"], c["group"])])):
+                compared += 1
+                if ours != theirs:
+                    common = min(len(ours), len(theirs))
+                    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), common)
+                    differing.append({"domain": c["domain"], "prompt": c["prompts"][row], "first_difference": first})
+        if compared:
+            report["systems"][name] = {"compared": compared, "identical": compared - len(differing),
+                                       "differing": differing}
+    return report
+
+
+@torch.inference_mode()
+def _add_perplexities(target: Any, prompts: dict[str, dict[str, list[list[int]]]], cells: list[dict[str, Any]],
+                      progress: bool) -> None:
+    """The target's perplexity (temperature 1) of each generated row given its prompt: a quality
+    guard for sampling runs (every system samples the same law, so these should agree)."""
+    device = target.device
+    todo = [(cell, c) for cell in cells for c in cell["calls"]]
+    for cell, c in tqdm(todo, desc="perplexity", unit="call", disable=not progress):
+        values = []
+        for index, output in zip(c["prompts"], c["sequences"]):
+            prompt = prompts[cell["regime"]][c["domain"]][index]
+            ids = torch.tensor([prompt + output], device=device)
+            logits = target(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+            nll = torch.nn.functional.cross_entropy(logits, ids[0, len(prompt):])
+            values.append(math.exp(float(nll)))
+        c["perplexity"] = values
+
+
+# ----------------------------------------------------------------------------- reporting
+def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+
+
+def summarize(results: dict[str, Any]) -> str:
+    """Markdown: per regime × batch size, tokens/s by domain with speedups, then latency,
+    acceptance, memory, the analytic prediction and the greedy check per system."""
+    lines = ["# FlashSpec end to end", ""]
+    m, s = results["machine"], results["settings"]
+    lines += [
+        f"Machine: {m['processor']}, {m['threads']} threads, {m.get('gpu', m['device'])}; torch {m['torch']}, "
+        f"transformers {m['transformers']}; {m['dtype']}. Created {results['created']}.",
+        f"Temperature {s['temperature'] or 'greedy (0)'}; γ ∈ {s['gammas']}; {s['prompts_per_domain']} prompts per "
+        f"domain from the {s['heldout']}; EOS {s['eos']}.",
+    ]
+    if s.get("target"):
+        lines.append(f"Target: {s['target']}; drafters: {', '.join(s['drafters'])}.")
+    if s.get("note"):
+        lines.append(f"_{s['note']}_")
+    lines += ["", "Systems:", ""]
+    lines += [f"* `{name}`: {text}" + (" — **none here** (no model drafter)"
+                                        if name in results["families_without_systems"] else "")
+              for name, text in results["families"].items()]
+    lines.append("")
+    for cell in results["cells"]:
+        regime = Regime(**s["regimes"][cell["regime"]])
+        rows = cell["summary"]
+        domains = list(dict.fromkeys(r["domain"] for r in rows))
+        systems = list(dict.fromkeys(r["system"] for r in rows))
+        get = {(r["system"], r["domain"]): r for r in rows}
+        lines += [f"## {cell['regime']} ({regime.describe()}), batch {cell['batch_size']}", ""]
+        lines += ["Tokens/s per call (new tokens of the batch over the call's wall time, prefill included): "
+                  "median [min–max]. Speedups: median over batches of the paired ratio.", ""]
+        lines.append("| system | " + " | ".join(domains) + " | × hf | × flashspec |")
+        lines.append("|---|" + "---|" * (len(domains) + 2))
+        for name in systems:
+            cells = []
+            for d in domains:
+                r = get.get((name, d))
+                t = r["tokens_per_second"] if r else None
+                cells.append(f"{t['median']:.2f} [{t['min']:.2f}–{t['max']:.2f}]" if t else "—")
+            overall = get[(name, "all")]
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(overall['speedup_vs_hf'], '.2f', '×')} | "
+                         f"{_fmt(overall['speedup_vs_flashspec'], '.2f', '×')} |")
+        for skip in cell["not_applicable"]:
+            lines.append(f"| {skip['system']} | " + " | ".join("n/a" for _ in domains) + " | n/a | n/a |")
+        lines.append("")
+        perplexity = any(r.get("perplexity_median") is not None for r in rows)
+        lines.append("All domains pooled: acceptance α (accepted / proposed drafts), drafts accepted and tokens "
+                     "per step (per row), decode-step latency (a step: one target forward with its drafts; "
+                     "transformers' steps timed by a streamer), time to first token (median), the system's model "
+                     "weights, peak memory"
+                     + (", the target's perplexity of the samples (median)" if perplexity else "") + ".")
+        lines.append("")
+        header = ("| system | α | accepted/step | tokens/step | step p50 ms | step p99 ms | TTFT ms | weights | "
+                  "peak memory |")
+        lines += [header + (" perplexity |" if perplexity else ""),
+                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if perplexity else "")]
+        weights = {w["name"]: w["weight_bytes"] for w in results["systems"]}
+        for name in systems:
+            r = get[(name, "all")]
+            line = (f"| {name} | {_fmt(r['acceptance_rate'])} | {_fmt(r['accepted_per_step'])} | "
+                    f"{_fmt(r['tokens_per_step'])} | {_fmt(r['step_ms_p50'], '.1f')} | "
+                    f"{_fmt(r['step_ms_p99'], '.1f')} | {_fmt(r['first_token_ms_median'], '.0f')} | "
+                    f"{_bytes(weights[name])} | {_bytes(r['peak_memory_bytes'])} |")
+            lines.append(line + (f" {_fmt(r.get('perplexity_median'))} |" if perplexity else ""))
+        lines.append("")
+        predicted = [r for r in rows if "predicted" in r]
+        if predicted:
+            costs = cell["forward_costs"]
+            target_ms = ", ".join(f"{w} token{'s' if w != '1' else ''} {t * 1e3:.1f} ms"
+                                  for w, t in costs["target_seconds"].items())
+            drafter_c = ", ".join(f"{n} c = {d['c']:.3g}" for n, d in costs["drafters"].items())
+            lines += ["Analytic prediction (1 − α^(γ+1)) / ((1 − α)(γc + 1)) against the measured speedup "
+                      f"over FlashSpec target-only. Forward costs at {costs['context']} tokens of context: target "
+                      f"{target_ms}; {drafter_c}.", ""]
+            lines.append("| system | " + " | ".join(domains) + " |")
+            lines.append("|---|" + "---|" * len(domains))
+            for name in systems:
+                parts = []
+                for d in domains:
+                    r = get.get((name, d))
+                    p = r.get("predicted") if r else None
+                    if p is None:
+                        parts.append("—")
+                        continue
+                    measured = r["speedup_vs_flashspec"]
+                    parts.append(f"α {p['alpha']:.2f}: {_fmt(measured, '.2f', '×')} / {p['speedup']:.2f}× = "
+                                 f"{_fmt(p['measured_over_predicted'])}")
+                if any(part != "—" for part in parts):
+                    lines.append(f"| {name} | " + " | ".join(parts) + " |")
+            lines.append("")
+        arms = [r for r in rows if "arm_steps" in r and r["domain"] != "all"]
+        for r in arms:
+            total = sum(r["arm_steps"].values())
+            shares = ", ".join(f"{a} {n / total:.0%}" for a, n in sorted(r["arm_steps"].items(), key=lambda x: -x[1]))
+            lines.append(f"* {r['system']}, {r['domain']}: steps by arm: {shares}.")
+        if arms:
+            lines.append("")
+        greedy = cell.get("greedy")
+        if greedy:
+            parts = []
+            for name, g in greedy["systems"].items():
+                text = f"{name} {g['identical']}/{g['compared']}"
+                if g["differing"]:
+                    text += " (differ: " + ", ".join(f"{d['domain']} #{d['prompt']} from token {d['first_difference']}"
+                                                     for d in g["differing"][:5])
+                    text += ", …)" if len(g["differing"]) > 5 else ")"
+                parts.append(text)
+            lines.append(f"Greedy outputs identical to `{greedy['reference']}`: " + "; ".join(parts) + ".")
+            lines.append("")
+    lines.append("Peak memory: " + s["peak_memory"] + ". Raw per-call data (outputs, step times, arms): `e2e.json`.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """PNGs: tokens/s per system and domain; accepted drafts per step; the bandit's arms over
+    time. Returns the files written."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("Plots need matplotlib: pip install 'flashspec[bench]'.") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = results["cells"]
+    written = []
+    every = [system["name"] for system in results["systems"]]  # one colour per system in every panel
+    colour = {name: plt.get_cmap("tab10" if len(every) <= 10 else "tab20")(i % 20) for i, name in enumerate(every)}
+    label = lambda cell: f"{cell['regime']}, batch {cell['batch_size']}"  # noqa: E731
+
+    fig, axes = plt.subplots(len(cells), 1, figsize=(14, 4.5 * len(cells)), squeeze=False)
+    for ax, cell in zip(axes[:, 0], cells):
+        rows = cell["summary"]
+        domains = list(dict.fromkeys(r["domain"] for r in rows))
+        systems = list(dict.fromkeys(r["system"] for r in rows))
+        width = 0.8 / len(systems)
+        for i, name in enumerate(systems):
+            got = {r["domain"]: r["tokens_per_second"] for r in rows if r["system"] == name}
+            xs = [j + i * width for j, d in enumerate(domains) if d in got]
+            med = [got[d]["median"] for d in domains if d in got]
+            err = [[got[d]["median"] - got[d]["min"] for d in domains if d in got],
+                   [got[d]["max"] - got[d]["median"] for d in domains if d in got]]
+            ax.bar(xs, med, width, yerr=err, capsize=2, label=name, color=colour[name])
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(domains))], domains)
+        ax.set_ylabel("tokens/s (median, min–max)")
+        ax.set_title(label(cell))
+        ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    fig.tight_layout()
+    path = out_dir / "tokens_per_second.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    written.append(path)
+
+    speculative = list(dict.fromkeys(c["system"] for cell in cells for c in cell["calls"]
+                                     if any(a > 0 for a in c["step_accepted"]) or c["proposed"]))
+    if speculative:
+        fig, axes = plt.subplots(len(cells), len(speculative), figsize=(3.2 * len(speculative), 2.8 * len(cells)),
+                                 squeeze=False)
+        for row, cell in zip(axes, cells):
+            for ax, name in zip(row, speculative):
+                values = [a for c in cell["calls"] if c["system"] == name for a in c["step_accepted"]]
+                ax.set_title(f"{name}\n{label(cell)}", fontsize=8)
+                if not values:
+                    ax.text(0.5, 0.5, "n/a", ha="center", va="center", transform=ax.transAxes)
+                    ax.set_axis_off()
+                    continue
+                top = int(math.ceil(max(values)))
+                ax.hist(values, bins=np.arange(-0.5, top + 1.5, 1 if cell["batch_size"] == 1 else 0.25),
+                        weights=np.full(len(values), 1 / len(values)))
+                ax.set_xlabel("drafts accepted per step (per row)", fontsize=7)
+                ax.set_ylabel("share of steps", fontsize=7)
+        fig.tight_layout()
+        path = out_dir / "accepted_lengths.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+
+    bandit = [(cell, c) for cell in cells for c in cell["calls"] if "arms" in c]
+    if bandit:
+        domains = list(dict.fromkeys(c["domain"] for _, c in bandit))
+        fig, axes = plt.subplots(len(cells), len(domains), figsize=(5 * len(domains), 3.2 * len(cells)), squeeze=False)
+        for row, cell in zip(axes, cells):
+            for ax, domain in zip(row, domains):
+                arms = [a for c in cell["calls"] if "arms" in c and c["domain"] == domain for a in c["arms"]]
+                labels = sorted({a for a in arms if a is not None})
+                if not arms:
+                    continue
+                window = max(1, len(arms) // 40)
+                starts = list(range(0, len(arms), window))
+                shares = [[sum(a == lab for a in arms[s : s + window]) / len(arms[s : s + window]) for s in starts]
+                          for lab in labels]
+                ax.stackplot(starts, shares, labels=labels, step="post")
+                ax.set_ylim(0, 1)
+                ax.set_title(f"{domain}, {label(cell)}", fontsize=9)
+                ax.set_xlabel(f"decode step (in order; windows of {window})", fontsize=8)
+                ax.set_ylabel("share of steps", fontsize=8)
+                ax.legend(fontsize=6, loc="lower right")
+        fig.tight_layout()
+        path = out_dir / "bandit_arms.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """``e2e.json`` (everything, per call), ``e2e.md`` (the tables) and the PNGs in ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "e2e.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "e2e.md").write_text(summarize(results))
+    return [out_dir / "e2e.json", out_dir / "e2e.md", *plot(results, out_dir)]
+
+
+# ----------------------------------------------------------------------------- from the command line
+def drafter_name(spec: str) -> str:
+    """A short name for a drafter spec: ``"ngram"``, a ``.gguf`` file's stem, a folder's name."""
+    if spec == "ngram":
+        return spec
+    return Path(spec).stem if spec.lower().endswith(".gguf") else spec.rstrip("/").split("/")[-1]
+
+
+def load_and_run(
+    out_dir: Path,
+    *,
+    target: str | None,
+    drafts: list[str],
+    tokenizer: str | None,
+    corpus: Path,
+    shaped: bool,
+    device: str | None,
+    dtype: str,
+    regimes: dict[str, Regime],
+    prompts_per_domain: int,
+    seed: int = 0,
+    **options: Any,
+) -> dict[str, Any]:
+    """Load the models (or build random-weight Llama-3-8B / 3.2-1B shapes with ``shaped``), make
+    the prompts, :func:`run` and :func:`write`. ``options`` go to :func:`run`."""
+    from .models import load_model, load_tokenizer
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = getattr(torch, dtype)
+    if shaped:
+        from .bench_gpu import shaped_model
+
+        model = shaped_model("llama3-8b", str(device), torch_dtype)
+        drafters: dict[str, Any] = {"llama3-1b": shaped_model("llama3-1b", str(device), torch_dtype, seed=1),
+                                    "ngram": "ngram"}
+        prompts = make_prompts(regimes, prompts_per_domain, vocab_size=model.config.vocab_size, seed=seed)
+        note = "random weights and random prompts: acceptance is meaningless; forward and step costs are real"
+    else:
+        if target is None:
+            raise ValueError("Give --target (or --shaped).")
+        tok = load_tokenizer(tokenizer or target)
+        prompts = make_prompts(regimes, prompts_per_domain, tokenizer=tok, corpus=corpus, seed=seed)
+        model = load_model(target, device, torch_dtype)
+        drafters = {drafter_name(d): d if d == "ngram" else load_model(d, device, torch_dtype) for d in drafts}
+        note = None
+    results = run(model, drafters, prompts, regimes, seed=seed, **options)
+    results["settings"]["target"] = "llama3-8b (shaped)" if shaped else target
+    if note:
+        results["settings"]["note"] = note
+    write(results, out_dir)
+    return results

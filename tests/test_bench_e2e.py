@@ -1,0 +1,298 @@
+"""``flashspec bench e2e`` (flashspec/bench_e2e.py) end to end on tiny random-weight models and a
+tiny corpus: the JSON schema, greedy outputs identical across every system in float32, the
+markdown and PNGs, the analytic formula, and clear errors for bad options."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import math
+import random
+
+import pytest
+import torch
+
+from flashspec import bench_e2e
+from flashspec.bench import DOMAINS, heldout_text
+from flashspec.bench_e2e import Regime, check_options, make_prompts, predicted_speedup
+from flashspec.cli import main
+from tiny_models import noisy_copy, tiny_model
+
+REGIMES = {"long": Regime(24, 40, 12), "short": Regime(8, 8, 6)}  # tiny stand-ins for the real two
+GAMMAS = [2, 3]
+BATCH_SIZES = [1, 2]
+PROMPTS_PER_DOMAIN = 2
+WORDS = ["def", "return", "self", "class", "the", "of", "and", "alpha", "beta", "gamma", "A:", "B:"]
+
+
+class CharTokenizer:
+    """One token per ASCII character: ids < 128, the tiny models' vocabulary."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) % 128 for c in text]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The corpus folder's three file names, each a few thousand short lines, xz-compressed."""
+    folder = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    for name in DOMAINS.values():
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))) for _ in range(3000)]
+        (folder / name).write_bytes(lzma.compress("\n".join(lines).encode()))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_model("llama", seed=0)
+    return target, noisy_copy(target, 0.05, seed=1)
+
+
+@pytest.fixture(scope="module")
+def greedy(corpus, models, tmp_path_factory):
+    """Every system, both regimes, batch sizes 1 and 2, greedy; written to a folder."""
+    target, drafter = models
+    prompts = make_prompts(REGIMES, PROMPTS_PER_DOMAIN, tokenizer=CharTokenizer(), corpus=corpus)
+    results = bench_e2e.run(target, {"tiny": drafter, "ngram": "ngram"}, prompts, REGIMES,
+                            batch_sizes=BATCH_SIZES, gammas=GAMMAS, progress=False)
+    out = tmp_path_factory.mktemp("e2e")
+    files = bench_e2e.write(results, out)
+    return results, out, files
+
+
+EXPECTED_SYSTEMS = ["hf", "hf-static", "hf-assisted tiny", "hf-lookup", "flashspec", "flashspec tiny@2",
+                    "flashspec tiny@3", "flashspec ngram@2", "flashspec ngram@3", "flashspec bandit"]
+
+
+def test_prompts_come_from_the_heldout_part_with_the_regime_lengths(corpus):
+    prompts = make_prompts(REGIMES, 3, tokenizer=CharTokenizer(), corpus=corpus)
+    for name, regime in REGIMES.items():
+        assert set(prompts[name]) == set(DOMAINS)
+        for ps in prompts[name].values():
+            assert len(ps) == 3 and all(regime.min_prompt <= len(p) <= regime.max_prompt for p in ps)
+    for d in DOMAINS:  # the short prompts are the long ones' first tokens
+        assert all(lp[:8] == sp for lp, sp in zip(prompts["long"][d], prompts["short"][d]))
+    text = "".join(chr(t) for t in prompts["long"]["code"][0])
+    assert text in heldout_text(corpus, "code")
+    assert make_prompts(REGIMES, 3, tokenizer=CharTokenizer(), corpus=corpus) == prompts  # seeded
+
+
+def test_json_schema(greedy):
+    results, out, _ = greedy
+    saved = json.loads((out / "e2e.json").read_text())
+    assert {"machine", "settings", "systems", "families", "cells", "created"} <= set(saved)
+    assert [s["name"] for s in saved["systems"]] == EXPECTED_SYSTEMS
+    assert all(s["weight_bytes"] > 0 for s in saved["systems"])
+    bandit = next(s for s in saved["systems"] if s["name"] == "flashspec bandit")
+    assert bandit["arms"] == ["tiny@2", "tiny@3", "ngram@2", "ngram@3"] and bandit["context"] == "domain"
+    assert [(c["regime"], c["batch_size"]) for c in saved["cells"]] == [
+        ("long", 1), ("long", 2), ("short", 1), ("short", 2)]
+    for cell in saved["cells"]:
+        batch = cell["batch_size"]
+        new_tokens = REGIMES[cell["regime"]].new_tokens
+        skipped = {s["system"] for s in cell["not_applicable"]}
+        assert skipped == ({"hf-assisted tiny", "hf-lookup"} if batch > 1 else set())
+        running = [n for n in EXPECTED_SYSTEMS if n not in skipped]
+        groups = len(DOMAINS) * (PROMPTS_PER_DOMAIN // batch)
+        assert len(cell["calls"]) == groups * len(running)
+        for call in cell["calls"]:
+            assert {"domain", "group", "prompts", "prompt_tokens", "system", "new_tokens", "seconds",
+                    "tokens_per_second", "first_token_seconds", "accepted", "proposed", "peak_memory_bytes",
+                    "step_seconds", "step_tokens", "step_accepted", "sequences"} <= set(call)
+            assert len(call["sequences"]) == batch == len(call["prompts"])
+            assert all(len(s) == new_tokens for s in call["sequences"])
+            assert call["new_tokens"] == batch * new_tokens
+            assert 0 < call["first_token_seconds"] <= call["seconds"]
+            assert len(call["step_seconds"]) == len(call["step_tokens"]) == len(call["step_accepted"])
+            assert call["peak_memory_bytes"] is None  # CPU: not measured
+            if call["system"].startswith("flashspec") and batch == 1:
+                # every token after the prefill's first is committed by a logged step
+                assert sum(call["step_tokens"]) == new_tokens - 1
+        rows = {(r["system"], r["domain"]): r for r in cell["summary"]}
+        for name in running:
+            for domain in [*DOMAINS, "all"]:
+                r = rows[(name, domain)]
+                t = r["tokens_per_second"]
+                assert t["min"] <= t["q1"] <= t["median"] <= t["q3"] <= t["max"]
+                assert r["step_ms_p50"] <= r["step_ms_p99"]
+                assert r["first_token_ms_median"] > 0 and r["speedup_vs_hf"] > 0 and r["speedup_vs_flashspec"] > 0
+        assert rows[("hf", "all")]["speedup_vs_hf"] == 1.0
+        assert rows[("flashspec", "all")]["acceptance_rate"] is None
+        assert rows[("flashspec", "all")]["accepted_per_step"] == 0
+        fixed = rows[("flashspec tiny@2", "all")]
+        assert 0 <= fixed["acceptance_rate"] <= 1
+        p = fixed["predicted"]
+        assert p["gamma"] == 2 and p["c"] == cell["forward_costs"]["drafters"]["tiny"]["c"] > 0
+        assert p["speedup"] == pytest.approx(predicted_speedup(p["alpha"], 2, p["c"]))
+        assert p["measured_over_predicted"] == pytest.approx(fixed["speedup_vs_flashspec"] / p["speedup"])
+        seconds = cell["forward_costs"]["target_seconds"]
+        assert p["verify_cost"] == pytest.approx(seconds["3"] / seconds["1"])
+        a = p["alpha"]
+        assert p["speedup_with_verify_cost"] == pytest.approx((1 + a + a * a) / (2 * p["c"] + p["verify_cost"]))
+        assert set(cell["forward_costs"]["target_seconds"]) == {"1", "3", "4"}
+        assert sum(rows[("flashspec bandit", "all")]["arm_steps"].values()) > 0
+
+
+def test_greedy_outputs_are_identical_across_systems_in_float32(greedy):
+    results, _, _ = greedy
+    for cell in results["cells"]:
+        check = cell["greedy"]
+        assert check["reference"] == "flashspec"
+        skipped = {s["system"] for s in cell["not_applicable"]}
+        assert set(check["systems"]) == set(EXPECTED_SYSTEMS) - skipped - {"flashspec"}
+        for name, g in check["systems"].items():
+            assert g["differing"] == [], (cell["regime"], cell["batch_size"], name, g["differing"])
+            assert g["identical"] == g["compared"] == len(DOMAINS) * PROMPTS_PER_DOMAIN
+
+
+def test_bandit_logs_one_arm_per_step(greedy):
+    results, _, _ = greedy
+    arms = set(next(s for s in results["systems"] if s["name"] == "flashspec bandit")["arms"])
+    for cell in results["cells"]:
+        for call in cell["calls"]:
+            if call["system"] == "flashspec bandit":
+                assert len(call["arms"]) == len(call["step_seconds"]) and set(call["arms"]) <= arms
+            else:
+                assert "arms" not in call
+
+
+def test_markdown_and_plots_are_written(greedy):
+    _, out, files = greedy
+    assert sorted(f.name for f in files) == sorted(
+        ["e2e.json", "e2e.md", "tokens_per_second.png", "accepted_lengths.png", "bandit_arms.png"])
+    for name in ("tokens_per_second.png", "accepted_lengths.png", "bandit_arms.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "e2e.md").read_text()
+    assert "## long (24–40 prompt tokens, 12 new tokens), batch 1" in md
+    assert "## short (8 prompt tokens, 6 new tokens), batch 2" in md
+    assert "| hf-assisted tiny | n/a |" in md and "| flashspec bandit |" in md
+    assert "Greedy outputs identical to `flashspec`" in md and "Analytic prediction" in md
+
+
+def test_sampling_run_reports_perplexity(corpus, models):
+    target, drafter = models
+    regimes = {"short": REGIMES["short"]}
+    prompts = make_prompts(regimes, 1, tokenizer=CharTokenizer(), corpus=corpus)
+    results = bench_e2e.run(target, {"tiny": drafter}, prompts, regimes, systems=["hf", "flashspec", "flashspec-fixed"],
+                            gammas=[2], temperature=0.8, progress=False)
+    cell = results["cells"][0]
+    assert "greedy" not in cell
+    for call in cell["calls"]:
+        assert len(call["perplexity"]) == 1 and math.isfinite(call["perplexity"][0]) and call["perplexity"][0] >= 1
+    for row in cell["summary"]:
+        assert row["perplexity_median"] >= 1
+    assert "perplexity" in bench_e2e.summarize(results)
+
+
+def test_analytic_formula_on_known_values():
+    assert predicted_speedup(0.0, 4, 0.0) == 1.0
+    assert predicted_speedup(0.0, 2, 0.5) == pytest.approx(1 / 2)
+    assert predicted_speedup(1.0, 4, 0.0) == 5.0
+    assert predicted_speedup(1.0, 3, 0.25) == pytest.approx(4 / 1.75)
+    assert predicted_speedup(0.5, 2, 0.0) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / (0.2 * 1.4))
+    assert predicted_speedup(0.999999, 4, 0.0) == pytest.approx(5.0, rel=1e-5)  # continuous at α = 1
+    for alpha, gamma, c, message in ((1.5, 2, 0.1, "alpha"), (-0.1, 2, 0.1, "alpha"), (0.5, 0, 0.1, "gamma"),
+                                     (0.5, 2, -1.0, "c must")):
+        with pytest.raises(ValueError, match=message):
+            predicted_speedup(alpha, gamma, c)
+
+
+GOOD = dict(systems=["hf", "flashspec"], batch_sizes=[1], gammas=[2], prompts_per_domain=2, temperature=0.0,
+            regimes=REGIMES, drafters=["tiny"])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(systems=["hf", "vllm"]), "Unknown system 'vllm'"),
+    (dict(systems=[]), "No systems"),
+    (dict(batch_sizes=[0]), "batch sizes must be integers >= 1"),
+    (dict(batch_sizes=[]), "batch sizes must be a non-empty"),
+    (dict(gammas=[0]), "gammas"),
+    (dict(prompts_per_domain=0), "prompts per domain must be"),
+    (dict(batch_sizes=[4]), r"at least the largest batch size \(4\)"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(regimes={}), "No regimes"),
+    (dict(regimes={"odd": Regime(9, 8, 4)}), "min_prompt <= max_prompt"),
+    (dict(systems=["flashspec-bandit"], drafters=[]), "needs at least one drafter"),
+    (dict(drafters=["a", "a"]), "distinct"),
+])
+def test_bad_options_are_clear_value_errors(change, message):
+    check_options(**GOOD)
+    with pytest.raises(ValueError, match=message):
+        check_options(**{**GOOD, **change})
+
+
+def test_run_checks_before_decoding(models, corpus):
+    target, drafter = models
+    prompts = make_prompts({"short": REGIMES["short"]}, 1, tokenizer=CharTokenizer(), corpus=corpus)
+    with pytest.raises(ValueError, match="Unknown system"):
+        bench_e2e.run(target, {"tiny": drafter}, prompts, {"short": REGIMES["short"]}, systems=["nope"], progress=False)
+    with pytest.raises(ValueError, match="batch sizes"):
+        bench_e2e.run(target, {"tiny": drafter}, prompts, {"short": REGIMES["short"]}, batch_sizes=[0], progress=False)
+    with pytest.raises(ValueError, match="nothing to run"):
+        bench_e2e.run(target, {"ngram": "ngram"}, prompts, {"short": REGIMES["short"]}, systems=["hf-assisted"],
+                      progress=False)
+    with pytest.raises(ValueError, match="Unknown regime 'medium'"):
+        bench_e2e.parse_regimes("long,medium")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--systems", "hf,nope"], "Unknown system"),
+    (["--batch-sizes", "0"], "batch sizes"),
+    (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated integers"),
+    (["--regimes", "medium"], "Unknown regime"),
+    (["--gammas", "2,0"], "gammas"),
+    (["--temperature", "-1"], "temperature"),
+    (["--shaped", "--draft", "ngram"], "--shaped builds its own"),
+])
+def test_cli_checks_options_before_loading(args, message, capsys):
+    assert main(["bench", "e2e", "--target", "/nonexistent", "--draft", "ngram", "--no-progress", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_end_to_end(models, corpus, tmp_path, capsys):
+    """Saved tiny models and a character-level tokenizer through ``flashspec bench e2e``."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target, drafter = models
+    target.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "draft")
+    tokenizer = Tokenizer(tok_models.WordLevel({chr(i): i for i in range(128)}, unk_token="?"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="?").save_pretrained(tmp_path / "target")
+    out = tmp_path / "out"
+    rc = main(["bench", "e2e", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+               "--draft", "ngram", "--corpus", str(corpus), "--prompts-per-domain", "1", "--regimes", "short",
+               "--systems", "hf,flashspec,flashspec-fixed,flashspec-bandit", "--gammas", "2", "--device", "cpu",
+               "--dtype", "float32", "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    saved = json.loads((out / "e2e.json").read_text())
+    assert [s["name"] for s in saved["systems"]] == ["hf", "flashspec", "flashspec draft@2", "flashspec ngram@2",
+                                                     "flashspec bandit"]
+    assert saved["settings"]["target"] == str(tmp_path / "target")
+    assert all(g["differing"] == [] for g in saved["cells"][0]["greedy"]["systems"].values())
+    assert (out / "e2e.md").is_file() and (out / "bandit_arms.png").is_file()
+    assert "| flashspec bandit |" in capsys.readouterr().out
+    assert saved["families_without_systems"] == []
+
+
+def test_a_family_without_systems_is_reported(models, corpus):
+    target, _ = models
+    regimes = {"short": REGIMES["short"]}
+    prompts = make_prompts(regimes, 1, tokenizer=CharTokenizer(), corpus=corpus)
+    results = bench_e2e.run(target, {"ngram": "ngram"}, prompts, regimes, systems=["flashspec", "hf-assisted"],
+                            progress=False)
+    assert results["families_without_systems"] == ["hf-assisted"]
+    assert [s["name"] for s in results["systems"]] == ["flashspec"]
+    assert "**none here**" in bench_e2e.summarize(results)
