@@ -5,9 +5,7 @@ markdown and PNGs, the analytic formula, and clear errors for bad options."""
 from __future__ import annotations
 
 import json
-import lzma
 import math
-import random
 
 import pytest
 import torch
@@ -16,20 +14,12 @@ from flashspec import bench_e2e
 from flashspec.bench import DOMAINS, heldout_text
 from flashspec.bench_e2e import Regime, check_options, make_prompts, predicted_speedup
 from flashspec.cli import main
-from tiny_models import noisy_copy, tiny_model
+from tiny_models import CharTokenizer, noisy_copy, tiny_model, write_tiny_corpus
 
 REGIMES = {"long": Regime(24, 40, 12), "short": Regime(8, 8, 6)}  # tiny stand-ins for the real two
 GAMMAS = [2, 3]
 BATCH_SIZES = [1, 2]
 PROMPTS_PER_DOMAIN = 2
-WORDS = ["def", "return", "self", "class", "the", "of", "and", "alpha", "beta", "gamma", "A:", "B:"]
-
-
-class CharTokenizer:
-    """One token per ASCII character: ids < 128, the tiny models' vocabulary."""
-
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        return {"input_ids": [ord(c) % 128 for c in text]}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,12 +33,7 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """The corpus folder's three file names, each a few thousand short lines, xz-compressed."""
-    folder = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for name in DOMAINS.values():
-        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))) for _ in range(3000)]
-        (folder / name).write_bytes(lzma.compress("\n".join(lines).encode()))
-    return folder
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

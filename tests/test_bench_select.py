@@ -4,34 +4,17 @@ system decodes every prompt, warm-started bandits learn on training text only, e
 from __future__ import annotations
 
 import lzma
-import random
 
 import pytest
+
 from flashspec import SpeculativeEngine
 from flashspec.bench import DOMAINS, HELDOUT_FRACTION, heldout_text, run_selection
-from tiny_models import noisy_copy, tiny_model
-
-WORDS = ["def", "return", "self", "class", "the", "of", "and", "alpha", "beta", "A:", "B:"]
-
-
-class CharTokenizer:
-    """One token per ASCII character: ids < 128, the tiny models' vocabulary."""
-
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        return {"input_ids": [ord(c) % 128 for c in text]}
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(map(chr, ids))
+from tiny_models import CharTokenizer, noisy_copy, tiny_model, write_tiny_corpus
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for name in DOMAINS.values():
-        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))) for _ in range(2000)]
-        (folder / name).write_bytes(lzma.compress("\n".join(lines).encode()))
-    return folder
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"), lines=2000)
 
 
 def test_training_part_is_the_text_just_before_the_heldout_part(corpus):

@@ -138,3 +138,33 @@ def noisy_copy(model: PreTrainedModel, noise: float, seed: int) -> PreTrainedMod
                 scale = noise * float(param.abs().mean())
             param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * scale)
     return clone.eval()
+
+
+# ------------------------------------------------------------------ a tiny corpus for benchmark tests
+
+CORPUS_WORDS = ["def", "return", "self", "class", "the", "of", "and", "alpha", "beta", "gamma", "A:", "B:"]
+
+
+class CharTokenizer:
+    """One token per ASCII character: ids < 128, the tiny models' vocabulary."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) % 128 for c in text]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
+
+def write_tiny_corpus(folder, lines: int = 3000, seed: int = 0):
+    """The corpus folder's three file names (``flashspec.bench.DOMAINS``), each ``lines`` short
+    lines of random words, xz-compressed; returns ``folder``."""
+    import lzma
+    import random
+
+    from flashspec.bench import DOMAINS
+
+    rng = random.Random(seed)
+    for name in DOMAINS.values():
+        text = [" ".join(rng.choice(CORPUS_WORDS) for _ in range(rng.randint(3, 10))) for _ in range(lines)]
+        (folder / name).write_bytes(lzma.compress("\n".join(text).encode()))
+    return folder
