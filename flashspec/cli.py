@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     e2e.add_argument("--systems", default=None,
                      help="comma-separated subset of: hf, hf-static, hf-assisted, hf-lookup, flashspec, "
                           "flashspec-fixed, flashspec-bandit (default all)")
+    e2e.add_argument("--hf-prompts-per-domain", type=int, default=None,
+                     help="run transformers' systems on only the first N batches of each domain (they are "
+                          "10-40x slower on a GPU); paired ratios use the batches both ran. Default: all")
     e2e.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
     e2e.add_argument("--gammas", default="2,4", help="comma-separated draft lengths of the FlashSpec arms")
     e2e.add_argument("--seed", type=int, default=0)
@@ -322,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
             options = dict(systems=bench_e2e.FAMILY_NAMES if systems is None else systems, batch_sizes=batch_sizes,
                            gammas=gammas, prompts_per_domain=args.prompts_per_domain,
-                           temperature=args.temperature, regimes=regimes)
+                           temperature=args.temperature, regimes=regimes,
+                           hf_prompts_per_domain=args.hf_prompts_per_domain)
             bench_e2e.check_options(**options)
             if args.shaped and (args.target or args.draft):
                 raise ValueError("--shaped builds its own target and drafters; leave out --target and --draft.")
@@ -343,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                 shaped=args.shaped, device=args.device, dtype=args.dtype, regimes=regimes,
                 prompts_per_domain=args.prompts_per_domain, seed=args.seed, systems=systems,
                 batch_sizes=batch_sizes, gammas=gammas, temperature=args.temperature, compile=args.compile,
-                progress=not args.no_progress,
+                hf_prompts_per_domain=args.hf_prompts_per_domain, progress=not args.no_progress,
             )
             print(bench_e2e.summarize(results))
     except ValueError as error:

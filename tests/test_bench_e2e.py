@@ -210,6 +210,8 @@ GOOD = dict(systems=["hf", "flashspec"], batch_sizes=[1], gammas=[2], prompts_pe
     (dict(regimes={"odd": Regime(9, 8, 4)}), "min_prompt <= max_prompt"),
     (dict(systems=["flashspec-bandit"], drafters=[]), "needs at least one drafter"),
     (dict(drafters=["a", "a"]), "distinct"),
+    (dict(hf_prompts_per_domain=0), "hf prompts per domain must be"),
+    (dict(hf_prompts_per_domain=1.5), "hf prompts per domain must be"),
 ])
 def test_bad_options_are_clear_value_errors(change, message):
     check_options(**GOOD)
@@ -239,6 +241,7 @@ def test_run_checks_before_decoding(models, corpus):
     (["--gammas", "2,0"], "gammas"),
     (["--temperature", "-1"], "temperature"),
     (["--shaped", "--draft", "ngram"], "--shaped builds its own"),
+    (["--hf-prompts-per-domain", "0"], "hf prompts per domain"),
 ])
 def test_cli_checks_options_before_loading(args, message, capsys):
     assert main(["bench", "e2e", "--target", "/nonexistent", "--draft", "ngram", "--no-progress", *args]) == 2
@@ -281,3 +284,44 @@ def test_a_family_without_systems_is_reported(models, corpus):
     assert results["families_without_systems"] == ["hf-assisted"]
     assert [s["name"] for s in results["systems"]] == ["flashspec"]
     assert "**none here**" in bench_e2e.summarize(results)
+
+
+def test_transformers_systems_can_run_on_fewer_prompts(models, corpus):
+    """``hf_prompts_per_domain`` limits the ``hf*`` systems to each domain's first batches;
+    FlashSpec's systems still run every prompt, and paired ratios use the shared batches."""
+    target, drafter = models
+    regimes = {"short": REGIMES["short"]}
+    prompts = make_prompts(regimes, 3, tokenizer=CharTokenizer(), corpus=corpus)
+    results = bench_e2e.run(target, {"ngram": "ngram"}, prompts, regimes, systems=["hf", "hf-lookup", "flashspec",
+                            "flashspec-fixed"], gammas=[2], hf_prompts_per_domain=2, progress=False)
+    calls = results["cells"][0]["calls"]
+    count = {name: sum(c["system"] == name for c in calls) for name in ("hf", "hf-lookup", "flashspec",
+                                                                         "flashspec ngram@2")}
+    assert count == {"hf": 6, "hf-lookup": 6, "flashspec": 9, "flashspec ngram@2": 9}
+    assert {c["prompts"][0] for c in calls if c["system"] == "hf"} == {0, 1}
+    assert results["settings"]["hf_prompts_per_domain"] == 2
+    summary = {(r["system"], r["domain"]): r for r in results["cells"][0]["summary"]}
+    assert summary[("hf", "all")]["speedup_vs_flashspec"] is not None
+    assert results["cells"][0]["greedy"]["systems"]["hf"]["compared"] == 6
+    assert "first 2 batches of each domain" in bench_e2e.summarize(results)
+
+
+def test_cli_shaped_models_run_with_random_prompts(monkeypatch, tmp_path, capsys):
+    """``--shaped`` (random-weight 8B/1B shapes on the GPU) through the CLI, with tiny stand-ins
+    for the shapes: one "random" domain, the drafters llama3-1b and ngram, the note saying so."""
+    from flashspec import bench_gpu
+
+    monkeypatch.setattr(bench_gpu, "shaped_model",
+                        lambda name, device="cpu", dtype=torch.float32, seed=0: tiny_model("llama", seed=seed))
+    out = tmp_path / "shaped"
+    rc = main(["bench", "e2e", "--shaped", "--device", "cpu", "--dtype", "float32", "--regimes", "short",
+               "--prompts-per-domain", "2", "--hf-prompts-per-domain", "1", "--systems", "hf,flashspec,flashspec-fixed",
+               "--gammas", "2", "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    saved = json.loads((out / "e2e.json").read_text())
+    assert [s["name"] for s in saved["systems"]] == ["hf", "flashspec", "flashspec llama3-1b@2", "flashspec ngram@2"]
+    calls = saved["cells"][0]["calls"]
+    assert {c["domain"] for c in calls} == {"random"}
+    assert sum(c["system"] == "hf" for c in calls) == 1 and sum(c["system"] == "flashspec" for c in calls) == 2
+    assert "acceptance is meaningless" in saved["settings"]["note"]
+    assert saved["settings"]["target"] == "llama3-8b (shaped)"
