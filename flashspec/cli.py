@@ -138,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
                           "prompts: step costs only (acceptance is meaningless)")
     e2e.add_argument("--out", default="benchmarks/results/e2e", help="folder for e2e.json, e2e.md and the PNGs")
     e2e.add_argument("--no-progress", action="store_true")
+    e2e.add_argument("--rewrite-report", metavar="DIR", default=None,
+                     help="decode nothing: recompute the tables and plots of a previous run's DIR/e2e.json")
     return parser
 
 
@@ -315,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
                 prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
                 gamma=args.num_draft_tokens, compile=not args.no_compile,
             )
+        elif args.command == "bench" and args.bench == "e2e" and args.rewrite_report:
+            from . import bench_e2e
+
+            for path in bench_e2e.rewrite_report(Path(args.rewrite_report)):
+                print(f"wrote {path}")
         elif args.command == "bench" and args.bench == "e2e":
             from . import bench_e2e
 

@@ -325,3 +325,65 @@ def test_cli_shaped_models_run_with_random_prompts(monkeypatch, tmp_path, capsys
     assert sum(c["system"] == "hf" for c in calls) == 1 and sum(c["system"] == "flashspec" for c in calls) == 2
     assert "acceptance is meaningless" in saved["settings"]["note"]
     assert saved["settings"]["target"] == "llama3-8b (shaped)"
+
+
+def test_rewrite_report_recomputes_tables_from_raw_calls(greedy, tmp_path, capsys):
+    """``--rewrite-report`` reads e2e.json, recomputes every summary from the raw calls (equal to
+    the run's own) and rewrites the markdown and plots; a folder without e2e.json is a clear error."""
+    results, out, _ = greedy
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    (folder / "e2e.json").write_text((out / "e2e.json").read_text())
+    assert main(["bench", "e2e", "--rewrite-report", str(folder)]) == 0
+    rewritten = json.loads((folder / "e2e.json").read_text())
+    assert [c["summary"] for c in rewritten["cells"]] == json.loads(json.dumps([c["summary"] for c in results["cells"]]))
+    assert (folder / "e2e.md").read_text() == (out / "e2e.md").read_text()
+    assert (folder / "tokens_per_second.png").is_file()
+    assert main(["bench", "e2e", "--rewrite-report", str(tmp_path / "empty")]) == 2
+    assert "No e2e.json" in capsys.readouterr().err
+
+
+def test_prediction_with_c_from_steps():
+    """c = (arm's median step / target-only's − 1) / γ, then the formula with that c."""
+    rows = [{"domain": "all", "system": "flashspec", "step_ms_p50": 2.0, "speedup_vs_flashspec": 1.0},
+            {"domain": "all", "system": "a@4", "step_ms_p50": 6.0, "speedup_vs_flashspec": 1.5,
+             "predicted": {"alpha": 0.5, "gamma": 4}}]
+    bench_e2e._add_step_cost_predictions(rows)
+    p = rows[1]["predicted"]
+    assert p["c_from_steps"] == pytest.approx(0.5)
+    assert p["speedup_c_from_steps"] == pytest.approx(predicted_speedup(0.5, 4, 0.5))
+    assert p["measured_over_predicted_c_from_steps"] == pytest.approx(1.5 / predicted_speedup(0.5, 4, 0.5))
+
+
+def test_bandit_warm_up_meets_every_switch_width(models, corpus, monkeypatch):
+    """The bandit's untimed warm-up runs each model-drafter arm right after another drafter's
+    step, so the catch-up width of a switch (SPEC §4: ModelDrafter.SWITCH_WINDOW) is compiled
+    and captured for every γ before timing starts (on the H200 it otherwise cost 17-27 s inside
+    a timed call)."""
+    from flashspec.drafters import ModelDrafter
+
+    target, drafter = models
+    seen = set()
+    propose = ModelDrafter.propose
+
+    def spy(self, history, num_tokens, params, uniforms):
+        if self._seen_through is not None:
+            seen.add((self._window(history), num_tokens))
+        return propose(self, history, num_tokens, params, uniforms)
+
+    monkeypatch.setattr(ModelDrafter, "propose", spy)
+    setup = bench_e2e.Setup(target, {"tiny": drafter, "ngram": "ngram"}, [2, 3], 0, False)
+    (bandit,) = bench_e2e._flashspec_bandit(setup)
+    prompt = make_prompts({"long": REGIMES["long"]}, 1, tokenizer=CharTokenizer(), corpus=corpus)["long"]["code"]
+    bandit.warm(prompt, 12, 0.0, 0)
+    assert {(ModelDrafter.SWITCH_WINDOW, 2), (ModelDrafter.SWITCH_WINDOW, 3)} <= seen
+    assert bandit.engine.selector.kind == bench_e2e.BANDIT_SELECTOR  # the bandit again after the warm-up
+
+
+def test_scripted_selector_plays_its_script_and_rejects_bad_arms():
+    selector = bench_e2e.ScriptedSelector(3, [2, 0])
+    assert [selector.select() for _ in range(5)] == [2, 0, 2, 0, 2]
+    with pytest.raises(ValueError, match="arms in"):
+        bench_e2e.ScriptedSelector(2, [2])
+    with pytest.raises(ValueError, match="arms in"):
+        bench_e2e.ScriptedSelector(2, [])

@@ -151,3 +151,7 @@ def test_drafter_window_covers_unseen_tokens_with_few_distinct_widths(bound, see
         unseen = max(1, 2 + bound - drafter._seen_through)
         assert window >= min(unseen, bound)
         assert window == bound or window & (window - 1) == 0
+        if unseen <= 2:  # the same drafter drafted the previous step
+            assert window == min(unseen, bound)
+        else:  # a switch: one width for every short gap
+            assert window == bound or window >= ModelDrafter.SWITCH_WINDOW

@@ -15,11 +15,14 @@ class ModelDrafter:
     """Drafts autoregressively with its own KV cache (SPEC.md §4).
 
     Each ``propose`` first re-feeds the last ``W`` committed tokens of every row (``W`` covers
-    every token the cache has not seen, bounded on the host and rounded up to a power of two:
-    2 when this drafter also drafted the previous step, the whole prompt the first time), then
+    every token the cache has not seen, bounded on the host: 2 when this drafter also drafted
+    the previous step, the whole prompt the first time, otherwise at least
+    :attr:`SWITCH_WINDOW` and a power of two), then
     drafts one token per forward.
     With a :class:`~flashspec.cache.StaticLM` on CUDA the whole proposal is one CUDA graph.
     """
+
+    SWITCH_WINDOW = 16  # the re-fed width after another drafter's steps (a compiled width of StaticLM)
 
     def __init__(
         self, model: PreTrainedModel, target_vocab_size: int, name: str | None = None, compile: bool = False
@@ -47,11 +50,14 @@ class ModelDrafter:
         if self._seen_through is None:
             return bound
         # After drafting in a step, at most 2 committed tokens are unseen (the last draft, never
-        # fed, and the target's token); each later step adds at most its length growth. Rounded
-        # up to a power of two: re-feeding a few seen tokens rewrites their cache entries and
-        # costs little, while every distinct width is one more compilation and CUDA graph
-        # (a bandit that switches drafters would otherwise meet a new width at every switch).
+        # fed, and the target's token); each later step adds at most its length growth. After a
+        # gap (another drafter drafted), the width is at least SWITCH_WINDOW, then a power of
+        # two: re-feeding a few seen tokens rewrites their cache entries and costs little in a
+        # latency-bound forward, while every distinct width is one more compilation and CUDA
+        # graph — met in the middle of timed work when a bandit switches drafters.
         unseen = max(1, 2 + bound - self._seen_through)
+        if unseen > 2:
+            unseen = max(unseen, self.SWITCH_WINDOW)
         return min(bound, 1 << (unseen - 1).bit_length())
 
     def propose(
