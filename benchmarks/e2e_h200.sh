@@ -13,13 +13,7 @@
 set -uo pipefail
 out=${1:?usage: e2e_h200.sh OUTDIR}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
-sha256sum -c - <<SUMS || exit 1
-cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046  /tmp/models/target.gguf
-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/models/draft.gguf
-SUMS
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+source benchmarks/h200_prepare.sh
 pair=(--target /tmp/models/target.gguf --draft /tmp/models/draft.gguf --draft ngram
       --corpus device_carry/corpus --device cuda --dtype bfloat16 --compile)
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }

@@ -10,13 +10,7 @@
 set -uo pipefail
 out=${1:?usage: h200_session.sh OUTDIR}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
-sha256sum -c - <<SUMS || exit 1
-cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046  /tmp/models/target.gguf
-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/models/draft.gguf
-SUMS
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+source benchmarks/h200_prepare.sh
 python3 -m flashspec.cli bench gpu --target /tmp/models/target.gguf --draft /tmp/models/draft.gguf \
     --corpus device_carry/corpus --out "$out/gpu_h200"
 python3 -m flashspec.cli bench select --target /tmp/models/target.gguf \
