@@ -1,12 +1,13 @@
 """FlashSpec: exact speculative decoding for Hugging Face causal language models."""
 
-from .drafters import Draft, Drafter, History, ModelDrafter, NgramDrafter
+from .drafters import DatastoreDrafter, Draft, Drafter, History, ModelDrafter, NgramDrafter
 from .engine import GenerationOutput, GenerationStats, SpeculativeEngine
 from .sampling import SamplingParams
 from .verify import VerifyResult, verify
 
 __all__ = [
     "Draft",
+    "DatastoreDrafter",
     "Drafter",
     "GenerationOutput",
     "GenerationStats",

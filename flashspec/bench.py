@@ -41,6 +41,40 @@ def heldout_text(corpus_dir: Path, domain: str, part: str = "heldout") -> str:
     return data[begin:cut].decode("utf-8", errors="replace")
 
 
+def training_text(corpus_dir: Path, domain: str, max_bytes: int = 4_000_000) -> str:
+    """The last ``max_bytes`` of the domain's training part (the first 95 %, cut at line
+    starts): text a retrieval drafter may index without seeing the held-out prompts."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"max_bytes must be an integer >= 1; got {max_bytes!r}.")
+    if domain not in DOMAINS:
+        raise ValueError(f"Unknown domain {domain!r}; choose from {', '.join(DOMAINS)}.")
+    path = Path(corpus_dir) / DOMAINS[domain]
+    if not path.is_file():
+        raise ValueError(f"Corpus file {path} not found; pass --corpus pointing at shared/corpus.")
+    data = lzma.decompress(path.read_bytes())
+    cut = data.index(b"\n", int(len(data) * (1 - HELDOUT_FRACTION))) + 1
+    begin = max(0, cut - max_bytes)
+    if begin:
+        begin = data.index(b"\n", begin) + 1
+    return data[begin:cut].decode("utf-8", errors="replace")
+
+
+def store_drafters(specs: list[str], corpus_dir: Path, tokenizer: Any, max_bytes: int = 4_000_000) -> list[Any]:
+    """``"store:DOMAIN"`` entries of ``specs`` become :class:`DatastoreDrafter` objects named
+    ``store-DOMAIN`` over that domain's training text; other entries pass through."""
+    from .drafters import DatastoreDrafter
+
+    out = []
+    for spec in specs:
+        if isinstance(spec, str) and spec.startswith("store:"):
+            domain = spec.split(":", 1)[1]
+            text = training_text(corpus_dir, domain, max_bytes)
+            out.append(DatastoreDrafter.from_text(text, tokenizer, name=f"store-{domain}"))
+        else:
+            out.append(spec)
+    return out
+
+
 def heldout_prompts(
     corpus_dir: Path, domain: str, count: int, prompt_tokens: int, tokenizer: Any, seed: int = 0,
     part: str = "heldout",

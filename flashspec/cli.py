@@ -81,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     sel = bench_sub.add_parser("select", help="bandit vs every fixed (drafter, γ) arm on a mixed real workload")
     sel.add_argument("--target", default=None, help="default: the demo's 1.5B target")
     sel.add_argument("--draft", action="append", default=None,
-                     help="a drafter (repeatable; 'ngram' for prompt lookup); default: the demo's 0.5B and ngram")
+                     help="a drafter (repeatable; 'ngram' for prompt lookup; 'store:code' for retrieval from "
+                          "the training part of a corpus domain); default: the demo's 0.5B and ngram")
     sel.add_argument("--gammas", default="2,4", help="comma-separated draft lengths; arms = drafters × gammas")
     sel.add_argument("--selectors", default="thompson,ucb1", help="comma-separated bandits to compare")
     sel.add_argument("--tokenizer", default=None)
@@ -287,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
                                      "discounted-ucb, sliding-window-ucb, epsilon-greedy.")
             target = args.target or fetch_demo_model(DEMO_TARGET)
             drafts = args.draft or [fetch_demo_model(DEMO_DRAFT), "ngram"]
+            if any(d.startswith("store:") for d in drafts):
+                from .models import load_tokenizer
+
+                drafts = bench.store_drafters(drafts, Path(args.corpus), load_tokenizer(args.tokenizer or target))
             engine, _ = _load_pair(target, drafts, args.tokenizer, args.device, args.dtype, gammas=gammas,
                                    compile=args.compile)
             bandits = {}

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from .cache import StaticLM, make_lm
 from .graphs import Graphs
-from .drafters import Drafter, History, ModelDrafter, NgramDrafter
+from .drafters import DatastoreDrafter, Drafter, History, ModelDrafter, NgramDrafter
 from .models import context_window, load_model, load_tokenizer, check_no_sliding_window
 from .parallel import tensor_parallel_of
 from .sampling import SamplingParams, sample
@@ -272,6 +272,9 @@ class SpeculativeEngine:
             spec = load_model(spec, self.device, dtype)
         if isinstance(spec, PreTrainedModel):
             return ModelDrafter(spec, self.vocab_size, name=name, compile=self.compile)
+        if isinstance(spec, DatastoreDrafter) and spec.max_token >= self.vocab_size:
+            raise ValueError(f"Drafter {spec.name!r} stores token id {spec.max_token}, but the target's vocabulary "
+                             f"has {self.vocab_size} tokens: build the store with the target's tokenizer.")
         if isinstance(spec, Drafter):
             return spec
         raise ValueError(f"Cannot use {spec!r} as a drafter: give a model, a path, 'ngram' or a Drafter.")

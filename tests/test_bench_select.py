@@ -44,3 +44,24 @@ def test_every_system_decodes_every_prompt_and_warm_starts_add_copies(corpus):
             assert system["tokens"] == 10 and system["seconds"] > 0
             if name.startswith("fixed"):  # a fixed arm never plays another
                 assert list(system["arms"]) == [name.removeprefix("fixed ")]
+
+
+def test_store_drafters_index_training_text_only(corpus):
+    """``store:DOMAIN`` → a DatastoreDrafter over the end of that domain's first 95 % (never the
+    held-out prompts' text); other specs pass through; bad domains and sizes are clear errors."""
+    from flashspec.bench import store_drafters, training_text
+
+    whole = lzma.decompress((corpus / DOMAINS["code"]).read_bytes()).decode()
+    held = heldout_text(corpus, "code")
+    text = training_text(corpus, "code", max_bytes=2000)
+    assert whole.endswith(text + held) and 0 < len(text) <= 2000 and text.startswith(whole[-len(text + held):][:5])
+    assert training_text(corpus, "code", max_bytes=10**9) + held == whole
+    drafters = store_drafters(["store:code", "ngram", "store:chat"], corpus, CharTokenizer(), max_bytes=2000)
+    assert [getattr(d, "name", d) for d in drafters] == ["store-code", "ngram", "store-chat"]
+    assert drafters[0].store.tolist() == CharTokenizer()(text)["input_ids"]
+    with pytest.raises(ValueError, match="Unknown domain 'poetry'"):
+        store_drafters(["store:poetry"], corpus, CharTokenizer())
+    with pytest.raises(ValueError, match="max_bytes"):
+        training_text(corpus, "code", max_bytes=0)
+    engine = SpeculativeEngine(tiny_model("llama", seed=0), drafters, gammas=[2], tokenizer=CharTokenizer())
+    assert [engine.arm_label(a) for a in range(3)] == ["store-code@2", "ngram@2", "store-chat@2"]

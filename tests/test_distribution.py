@@ -25,7 +25,7 @@ from transformers import (
 
 from stats_helpers import ALPHA, chi2_pvalue
 
-from flashspec import Draft, History, SamplingParams, SpeculativeEngine
+from flashspec import DatastoreDrafter, Draft, History, SamplingParams, SpeculativeEngine
 
 V = 8
 SAMPLES = 20_000
@@ -123,6 +123,9 @@ DRAFTERS = {
     "independent": lambda: tiny_llama(99),  # p and q unrelated: many rejections
     "self": lambda: TARGET,  # drafter == target: zero-mass residual
     "ngram": lambda: "ngram",  # deterministic, verified with one-hot q
+    # deterministic from a fixed store (seeded random text over the vocabulary): one-hot q
+    "store": lambda: DatastoreDrafter(torch.randint(0, TARGET.config.vocab_size, (400,),
+                                                    generator=torch.Generator().manual_seed(3))),
     "none": lambda: None,  # target-only decoding through the same loop
 }
 
@@ -137,6 +140,7 @@ CASES = [
     ("self", 1.3, 6, 0.9, 1),
     ("ngram", 0.9, 6, 1.0, 3),
     ("ngram", 0.5, 0, 1.0, 1),
+    ("store", 0.8, 0, 0.9, 3),
     ("none", 0.7, 0, 0.9, 4),
 ]
 
@@ -149,7 +153,7 @@ def test_engine_samples_the_exact_target_law(drafter, temperature, top_k, top_p,
     assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: output law differs from the target's"
     if drafter == "self":
         assert run_stats.acceptance_rate > 0.99
-    if drafter in ("noisy", "independent", "ngram"):
+    if drafter in ("noisy", "independent", "ngram", "store"):
         assert 0.0 < run_stats.acceptance_rate < 1.0  # both the accept and the reject paths ran
 
 

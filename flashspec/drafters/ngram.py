@@ -34,6 +34,22 @@ class NgramDrafter:
         self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor
     ) -> Draft:
         tokens, length = history.tokens, history.length
+        capacity = tokens.shape[1]
+        device = tokens.device
+        follow = self.find(history)
+        available = torch.where(follow >= 0, length - follow, 0).clamp(max=num_tokens)
+        # Always num_tokens drafts (shapes known on the host, no read-back); past what the match
+        # offers, repeat the pending token — a guess verified like any other.
+        offsets = torch.arange(num_tokens, device=device)
+        index = (follow.clamp(min=0)[:, None] + offsets).clamp(max=capacity - 1)
+        pending = tokens.gather(1, (length - 1)[:, None])
+        drafts = torch.where(offsets < available[:, None], tokens.gather(1, index), pending)
+        return Draft(drafts, None)
+
+    def find(self, history: History) -> torch.Tensor:
+        """Per row, where the continuation of the most recent earlier occurrence of the
+        longest matching suffix starts in ``history.tokens`` (−1: no match)."""
+        tokens, length = history.tokens, history.length
         batch, capacity = tokens.shape
         device = tokens.device
         follow = torch.full((batch,), -1, dtype=torch.long, device=device)  # first token after match
@@ -49,14 +65,7 @@ class NgramDrafter:
             latest = torch.where(found, starts[None, :], -1).amax(dim=1)
             take = (follow < 0) & (latest >= 0)
             follow = torch.where(take, latest + n, follow)
-        available = torch.where(follow >= 0, length - follow, 0).clamp(max=num_tokens)
-        # Always num_tokens drafts (shapes known on the host, no read-back); past what the match
-        # offers, repeat the pending token — a guess verified like any other.
-        offsets = torch.arange(num_tokens, device=device)
-        index = (follow.clamp(min=0)[:, None] + offsets).clamp(max=capacity - 1)
-        pending = tokens.gather(1, (length - 1)[:, None])
-        drafts = torch.where(offsets < available[:, None], tokens.gather(1, index), pending)
-        return Draft(drafts, None)
+        return follow
 
     def accept(self, num_accepted: torch.Tensor) -> None:
         pass  # stateless
