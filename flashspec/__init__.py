@@ -1,7 +1,7 @@
 """FlashSpec: exact speculative decoding for Hugging Face causal language models."""
 
 from .drafters import DatastoreDrafter, Draft, Drafter, History, ModelDrafter, NgramDrafter
-from .engine import GenerationOutput, GenerationStats, SpeculativeEngine
+from .engine import GenerationOutput, GenerationStats, Selection, SpeculativeEngine
 from .sampling import SamplingParams
 from .verify import VerifyResult, verify
 
@@ -15,6 +15,7 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter",
     "SamplingParams",
+    "Selection",
     "SpeculativeEngine",
     "VerifyResult",
     "verify",

@@ -270,10 +270,10 @@ def run_selection(
         systems[f"fixed {engine.arm_label(arm)}"] = ("fixed", {"arm": arm}, None)
     for name, config in bandits.items():
         systems[name] = (config["selector"], config.get("options", {}), config.get("context"))
-    selectors = {}
+    selections = {}
     for name, (selector, options, _) in systems.items():
         engine.set_selector(selector, **options)
-        selectors[name] = engine.selector  # each system keeps its own learning state
+        selections[name] = engine.selection  # each system keeps its own learning state
     sampling = dict(do_sample=temperature > 0, temperature=temperature or 1.0)
     # Warm every arm (compilation, CUDA-graph capture) before anything is timed.
     warm = tokenizer("def f(x):\n    return")["input_ids"]
@@ -281,12 +281,9 @@ def run_selection(
         engine.set_selector("fixed", arm=arm)
         engine.generate([warm], max_new_tokens=48, eos_token_id=[], **sampling)
     rows = []
-    contexts: dict[str, dict[Any, Any]] = {name: {} for name in systems}
 
     def use(name: str) -> None:  # make ``name``'s learning state the engine's
-        engine.selector = selectors[name]
-        engine._initial_selector_state = engine._selector_state(engine.selector)
-        engine._selectors = contexts[name]
+        engine.use_selection(selections[name])
 
     for name, config in bandits.items():
         if config.get("warm"):

@@ -23,7 +23,7 @@ from .sampling import SamplingParams, sample
 from .select import Observation, Selector, make_selector, selector_from_state_dict
 from .verify import verify
 
-__all__ = ["SpeculativeEngine", "GenerationOutput", "GenerationStats", "StepRecord"]
+__all__ = ["SpeculativeEngine", "GenerationOutput", "GenerationStats", "Selection", "StepRecord"]
 
 
 @dataclass
@@ -97,6 +97,18 @@ class GenerationStats:
             "per_arm": {k: vars(v) for k, v in self.per_arm.items()},
             "selector_seconds": self.selector_seconds,
         }
+
+
+@dataclass
+class Selection:
+    """An engine's learning state, by reference: the shared selector, the state that a new
+    context (or request) starts from, and the selectors of the contexts seen so far. Taken
+    with :attr:`SpeculativeEngine.selection` and put back with ``use_selection`` — e.g. to keep
+    several independent learners on one engine (``flashspec bench select``)."""
+
+    selector: Any
+    initial_state: dict[str, Any] | None
+    contexts: dict[Hashable, Any]
 
 
 @dataclass
@@ -200,10 +212,25 @@ class SpeculativeEngine:
             options["seed"] = self._tp.shared_seed()  # every rank must choose the same arms
         if self.arms:
             self.selector: Selector | None = make_selector(selector, len(self.arms), **options)
-        else:  # target-only: nothing to choose
+        else:  # target-only: nothing to choose (the name and options are still checked)
+            make_selector(selector, 1, **options)
             self.selector = None
         self._initial_selector_state = self._selector_state(self.selector)
         self._selectors: dict[Hashable, Selector] = {}
+
+    @property
+    def selection(self) -> Selection:
+        """The current learning state (live references: later requests keep updating it)."""
+        return Selection(self.selector, self._initial_selector_state, self._selectors)
+
+    def use_selection(self, selection: Selection) -> None:
+        """Make ``selection`` (from :attr:`selection`) the learning state of later requests."""
+        if not isinstance(selection, Selection):
+            raise ValueError(f"use_selection needs a Selection (engine.selection); got {type(selection).__name__}.")
+        if (selection.selector is None) != (self.selector is None):
+            raise ValueError("That selection belongs to an engine with a different set of arms.")
+        self.selector, self._initial_selector_state, self._selectors = (
+            selection.selector, selection.initial_state, selection.contexts)
 
     @staticmethod
     def _selector_state(selector: Any) -> dict[str, Any] | None:

@@ -126,6 +126,36 @@ def test_bad_context_and_state_raise(tmp_path):
         SpeculativeEngine(TARGET, [DRAFT], selector=Recorder(3))
 
 
+def test_selections_are_independent_learners_on_one_engine():
+    """``engine.selection`` / ``use_selection``: two learning states on one engine, each keeps
+    its own shared selector and its own per-context selectors."""
+    engine = SpeculativeEngine(TARGET, [DRAFT, "ngram"], gammas=[2], selector="ucb1", selector_options={"seed": 0})
+    first = engine.selection
+    engine.set_selector("thompson", seed=1)
+    second = engine.selection
+    assert first.selector is not second.selector
+    engine.use_selection(first)
+    engine.generate([PROMPTS[0]], max_new_tokens=8, eos_token_id=[], context="code")
+    assert set(first.contexts) == {"code"} and second.contexts == {}
+    engine.use_selection(second)
+    engine.generate([PROMPTS[1]], max_new_tokens=8, eos_token_id=[])
+    assert second.selector.total_updates > 0 and set(first.contexts) == {"code"}
+    with pytest.raises(ValueError, match="needs a Selection"):
+        engine.use_selection({"selector": None})
+    target_only = SpeculativeEngine(TARGET, [])
+    with pytest.raises(ValueError, match="different set of arms"):
+        target_only.use_selection(first)
+
+
+def test_target_only_engine_still_checks_the_selector_name():
+    engine = SpeculativeEngine(TARGET, [])
+    engine.set_selector("thompson")  # nothing to choose among, but a valid name
+    with pytest.raises(ValueError, match="Unknown selector 'thompsen'"):
+        engine.set_selector("thompsen")
+    with pytest.raises(ValueError, match="Bad option"):
+        engine.set_selector("ucb1", windw=3)
+
+
 # ------------------------------------------------------------------ drafter catch-up window widths
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
