@@ -139,26 +139,36 @@ def _weight_bytes(*models: Any) -> int:
 
 
 # ----------------------------------------------------------------------------- systems
+def _is_model(drafter: Any) -> bool:
+    """A loaded transformers model (drafted through ModelDrafter; transformers can use it as an assistant)."""
+    return isinstance(drafter, torch.nn.Module)
+
+
+def _plain_drafter(drafter: Any) -> Any:
+    """``"ngram"`` → a fresh NgramDrafter; a (stateless) drafter object is shared as it is."""
+    return NgramDrafter() if isinstance(drafter, str) else drafter
+
+
 @dataclass
 class Setup:
     """What the system builders draw on."""
 
     target: Any
-    drafters: dict[str, Any]  # name -> model, or "ngram"
+    drafters: dict[str, Any]  # name -> model, "ngram", or a stateless Drafter object (e.g. a datastore)
     gammas: list[int]
     seed: int
     compile: bool
 
     @property
     def model_drafters(self) -> dict[str, Any]:
-        return {n: d for n, d in self.drafters.items() if not isinstance(d, str)}
+        return {n: d for n, d in self.drafters.items() if _is_model(d)}
 
     def engine(self, names: list[str], gammas: list[int] | None = None, **options: Any) -> SpeculativeEngine:
         """A FlashSpec engine over ``names`` (fresh drafter objects; models are shared)."""
         vocab = self.target.config.vocab_size
         drafters = [
-            NgramDrafter() if isinstance(self.drafters[n], str)
-            else ModelDrafter(self.drafters[n], vocab, name=n, compile=self.compile)
+            ModelDrafter(self.drafters[n], vocab, name=n, compile=self.compile) if _is_model(self.drafters[n])
+            else _plain_drafter(self.drafters[n])
             for n in names
         ]
         return SpeculativeEngine(self.target, drafters, gammas=gammas, compile=self.compile, **options)
@@ -331,7 +341,7 @@ def _flashspec(s: Setup) -> list[System]:
 
 def _flashspec_fixed(s: Setup) -> list[System]:
     return [
-        FlashSpecSystem(f"flashspec {n}@{g}", "flashspec-fixed", [s.target] + ([] if isinstance(d, str) else [d]),
+        FlashSpecSystem(f"flashspec {n}@{g}", "flashspec-fixed", [s.target] + ([d] if _is_model(d) else []),
                         drafter=n, gamma=g, engine=s.engine([n], gammas=[g]))
         for n, d in s.drafters.items() for g in s.gammas
     ]
@@ -527,12 +537,12 @@ def forward_costs(target: Any, drafters: dict[str, Any], gammas: list[int], cont
     one = result["target_seconds"]["1"]
     result["drafters"] = {}
     for name, d in drafters.items():
-        if isinstance(d, str):
+        if not _is_model(d):
             tokens = torch.randint(0, vocab, (batch, max(capacity, context + 1)), generator=gen).to(device)
             history = History(tokens, torch.full((batch,), context, device=device), None, context)
             params = SamplingParams()
             uniforms = torch.zeros(batch, max(gammas), dtype=torch.float64, device=device)
-            drafter = NgramDrafter()
+            drafter = _plain_drafter(d)
             per_token = min(
                 _best_seconds(lambda: drafter.propose(history, g, params, uniforms[:, :g]), device, repeats) / g
                 for g in gammas
@@ -1085,9 +1095,12 @@ def rewrite_report(out_dir: Path) -> list[Path]:
 
 # ----------------------------------------------------------------------------- from the command line
 def drafter_name(spec: str) -> str:
-    """A short name for a drafter spec: ``"ngram"``, a ``.gguf`` file's stem, a folder's name."""
+    """A short name for a drafter spec: ``"ngram"``, ``store-DOMAIN`` for ``store:DOMAIN``, a
+    ``.gguf`` file's stem, a folder's name."""
     if spec == "ngram":
         return spec
+    if spec.startswith("store:"):
+        return "store-" + spec.split(":", 1)[1]
     return Path(spec).stem if spec.lower().endswith(".gguf") else spec.rstrip("/").split("/")[-1]
 
 
@@ -1126,7 +1139,12 @@ def load_and_run(
         tok = load_tokenizer(tokenizer or target)
         prompts = make_prompts(regimes, prompts_per_domain, tokenizer=tok, corpus=corpus, seed=seed)
         model = load_model(target, device, torch_dtype)
-        drafters = {drafter_name(d): d if d == "ngram" else load_model(d, device, torch_dtype) for d in drafts}
+        from .bench import store_drafters
+
+        drafters = {}
+        for spec, built in zip(drafts, store_drafters(drafts, corpus, tok)):  # "store:DOMAIN": a datastore
+            is_path = isinstance(built, str) and built != "ngram"
+            drafters[drafter_name(spec)] = load_model(built, device, torch_dtype) if is_path else built
         note = None
     results = run(model, drafters, prompts, regimes, seed=seed, **options)
     results["settings"]["target"] = "llama3-8b (shaped)" if shaped else target

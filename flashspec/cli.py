@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
                                            "same prompts, one run")
     e2e.add_argument("--target", default=None, help="default: the demo's 1.5B target")
     e2e.add_argument("--draft", action="append", default=None,
-                     help="a drafter (repeatable; 'ngram' for prompt lookup); default: the demo's 0.5B and ngram")
+                     help="a drafter (repeatable; 'ngram' for prompt lookup; 'store:code' for retrieval from the "
+                          "training part of a corpus domain); default: the demo's 0.5B and ngram")
     e2e.add_argument("--tokenizer", default=None, help="default: the target's")
     e2e.add_argument("--corpus", default="../shared/corpus")
     e2e.add_argument("--prompts-per-domain", type=int, default=20)

@@ -261,13 +261,16 @@ def test_cli_end_to_end(models, corpus, tmp_path, capsys):
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="?").save_pretrained(tmp_path / "target")
     out = tmp_path / "out"
     rc = main(["bench", "e2e", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
-               "--draft", "ngram", "--corpus", str(corpus), "--prompts-per-domain", "1", "--regimes", "short",
+               "--draft", "ngram", "--draft", "store:code", "--corpus", str(corpus), "--prompts-per-domain", "1",
+               "--regimes", "short",
                "--systems", "hf,flashspec,flashspec-fixed,flashspec-bandit", "--gammas", "2", "--device", "cpu",
                "--dtype", "float32", "--out", str(out), "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     saved = json.loads((out / "e2e.json").read_text())
     assert [s["name"] for s in saved["systems"]] == ["hf", "flashspec", "flashspec draft@2", "flashspec ngram@2",
-                                                     "flashspec bandit"]
+                                                     "flashspec store-code@2", "flashspec bandit"]
+    assert saved["systems"][4]["weight_bytes"] == saved["systems"][1]["weight_bytes"]  # no model of its own
+    assert "store-code" in saved["cells"][0]["forward_costs"]["drafters"]
     assert saved["settings"]["target"] == str(tmp_path / "target")
     assert all(g["differing"] == [] for g in saved["cells"][0]["greedy"]["systems"].values())
     assert (out / "e2e.md").is_file() and (out / "bandit_arms.png").is_file()
