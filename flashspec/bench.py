@@ -24,17 +24,24 @@ DOMAINS = {"code": "code.txt.xz", "prose": "prose.txt.xz", "chat": "dialogue.txt
 HELDOUT_FRACTION = 0.05
 
 
+def _split(corpus_dir: Path, domain: str) -> tuple[bytes, int]:
+    """The domain's decompressed corpus file and where its held-out part (a line start) begins."""
+    if domain not in DOMAINS:
+        raise ValueError(f"Unknown domain {domain!r}; choose from {', '.join(DOMAINS)}.")
+    path = Path(corpus_dir) / DOMAINS[domain]
+    if not path.is_file():
+        raise ValueError(f"Corpus file {path} not found; pass --corpus pointing at shared/corpus.")
+    data = lzma.decompress(path.read_bytes())
+    return data, data.index(b"\n", int(len(data) * (1 - HELDOUT_FRACTION))) + 1
+
+
 def heldout_text(corpus_dir: Path, domain: str, part: str = "heldout") -> str:
     """The last 5 % of the domain's corpus file (decompressed), cut at a line start.
     ``part="train"``: the 5 % just before it instead (inside the 95 % that training may read),
     for warming up learners without touching the evaluation text."""
     if part not in ("heldout", "train"):
         raise ValueError(f"part must be 'heldout' or 'train', got {part!r}.")
-    path = Path(corpus_dir) / DOMAINS[domain]
-    if not path.is_file():
-        raise ValueError(f"Corpus file {path} not found; pass --corpus pointing at shared/corpus.")
-    data = lzma.decompress(path.read_bytes())
-    cut = data.index(b"\n", int(len(data) * (1 - HELDOUT_FRACTION))) + 1
+    data, cut = _split(corpus_dir, domain)
     if part == "heldout":
         return data[cut:].decode("utf-8", errors="replace")
     begin = data.index(b"\n", int(len(data) * (1 - 2 * HELDOUT_FRACTION))) + 1
@@ -46,13 +53,7 @@ def training_text(corpus_dir: Path, domain: str, max_bytes: int = 4_000_000) -> 
     starts): text a retrieval drafter may index without seeing the held-out prompts."""
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"max_bytes must be an integer >= 1; got {max_bytes!r}.")
-    if domain not in DOMAINS:
-        raise ValueError(f"Unknown domain {domain!r}; choose from {', '.join(DOMAINS)}.")
-    path = Path(corpus_dir) / DOMAINS[domain]
-    if not path.is_file():
-        raise ValueError(f"Corpus file {path} not found; pass --corpus pointing at shared/corpus.")
-    data = lzma.decompress(path.read_bytes())
-    cut = data.index(b"\n", int(len(data) * (1 - HELDOUT_FRACTION))) + 1
+    data, cut = _split(corpus_dir, domain)
     begin = max(0, cut - max_bytes)
     if begin:
         begin = data.index(b"\n", begin) + 1

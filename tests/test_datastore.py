@@ -11,19 +11,13 @@ from hypothesis import strategies as st
 
 import flashspec
 from flashspec.drafters import DatastoreDrafter
-from flashspec.drafters.base import History
 from flashspec.sampling import SamplingParams
-from tiny_models import tiny_model
+from tiny_models import history_of, tiny_model
 
 GREEDY = SamplingParams()
 
 
-def history(rows: list[list[int]], capacity: int | None = None) -> History:
-    capacity = capacity or max(len(r) for r in rows)
-    tokens = torch.zeros(len(rows), capacity, dtype=torch.long)
-    for b, r in enumerate(rows):
-        tokens[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return History(tokens, torch.tensor([len(r) for r in rows], dtype=torch.long))
+history = history_of
 
 
 def reference(store: list[int], row: list[int], max_ngram: int, min_ngram: int, k: int) -> list[int]:

@@ -10,17 +10,12 @@ from hypothesis import strategies as st
 from flashspec.drafters.base import Draft, History
 from flashspec.drafters.ngram import NgramDrafter
 from flashspec.sampling import SamplingParams
+from tiny_models import history_of
 
 GREEDY = SamplingParams()
 
 
-def history(rows: list[list[int]], capacity: int | None = None) -> History:
-    """Zero-padded ``tokens [B, capacity]`` and ``length [B]`` from lists of committed tokens."""
-    capacity = capacity or max(len(r) for r in rows)
-    tokens = torch.zeros(len(rows), capacity, dtype=torch.long)
-    for b, r in enumerate(rows):
-        tokens[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return History(tokens, torch.tensor([len(r) for r in rows], dtype=torch.long))
+history = history_of
 
 
 def propose(drafter: NgramDrafter, hist: History, num_tokens: int, params=GREEDY) -> Draft:

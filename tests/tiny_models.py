@@ -168,3 +168,16 @@ def write_tiny_corpus(folder, lines: int = 3000, seed: int = 0):
         text = [" ".join(rng.choice(CORPUS_WORDS) for _ in range(rng.randint(3, 10))) for _ in range(lines)]
         (folder / name).write_bytes(lzma.compress("\n".join(text).encode()))
     return folder
+
+
+def history_of(rows: list[list[int]], capacity: int | None = None):
+    """A drafter's ``History``: zero-padded ``tokens [B, capacity]`` and ``length [B]`` from
+    lists of committed tokens."""
+    from flashspec.drafters.base import History
+
+    capacity = capacity or max(len(r) for r in rows)
+    tokens = torch.zeros(len(rows), capacity, dtype=torch.long)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return History(tokens, torch.tensor([len(r) for r in rows], dtype=torch.long))
+

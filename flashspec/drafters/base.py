@@ -57,3 +57,21 @@ class Drafter(Protocol):
 
     def accept(self, num_accepted: torch.Tensor) -> None:
         """The engine kept the first ``num_accepted[b]`` drafts of row ``b``."""
+
+
+def continuation(
+    source: torch.Tensor, follow: torch.Tensor, end: torch.Tensor | int, num_tokens: int, pending: torch.Tensor
+) -> torch.Tensor:
+    """``[B, num_tokens]`` drafts: the tokens of ``source`` from position ``follow[b]`` on —
+    ``source`` is ``[B, L]`` (each row its own text) or ``[L]`` (one store for every row) —
+    and, where ``follow[b] < 0`` or past ``end`` (exclusive; per row or one number), the
+    pending token ``pending [B, 1]``. Always ``num_tokens`` columns: shapes known on the host,
+    nothing read back; a repeated pending token is a guess verified like any other."""
+    offsets = torch.arange(num_tokens, device=follow.device)
+    index = follow[:, None] + offsets
+    end = end[:, None] if isinstance(end, torch.Tensor) else end
+    usable = (follow[:, None] >= 0) & (index < end)
+    index = index.clamp(0, source.shape[-1] - 1)
+    taken = source.gather(1, index) if source.dim() == 2 else source[index]
+    return torch.where(usable, taken, pending)
+

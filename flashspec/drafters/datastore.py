@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..sampling import SamplingParams
-from .base import Draft, History
+from .base import Draft, History, continuation
 from .ngram import NgramDrafter
 
 _BITS = 21  # bits per token in a packed key: vocabularies up to 2,097,152 tokens, 3 tokens in 63 bits
@@ -131,16 +131,11 @@ class DatastoreDrafter:
             at = torch.searchsorted(keys, query).clamp(max=keys.numel() - 1)
             hit = (keys[at] == query) & (length >= n) & (follow < 0)
             follow = torch.where(hit, self._follow[n][at], follow)
-        offsets = torch.arange(num_tokens, device=device)
-        index = follow[:, None] + offsets
-        usable = (follow[:, None] >= 0) & (index < self.store.numel())
         pending = tokens.gather(1, (length - 1)[:, None])
-        drafts = torch.where(usable, self.store[index.clamp(0, self.store.numel() - 1)], pending)
+        drafts = continuation(self.store, follow, self.store.numel(), num_tokens, pending)
         if self.in_context is not None:  # a match in the request's own text comes first
             here = self.in_context.find(history)
-            index = here[:, None] + offsets
-            usable = (here[:, None] >= 0) & (index < length[:, None])
-            from_context = torch.where(usable, tokens.gather(1, index.clamp(0, tokens.shape[1] - 1)), pending)
+            from_context = continuation(tokens, here, length, num_tokens, pending)
             drafts = torch.where((here >= 0)[:, None], from_context, drafts)
         return Draft(drafts, None)
 

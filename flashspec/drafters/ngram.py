@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import SamplingParams
-from .base import Draft, History
+from .base import Draft, History, continuation
 
 
 class NgramDrafter:
@@ -34,17 +34,8 @@ class NgramDrafter:
         self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor
     ) -> Draft:
         tokens, length = history.tokens, history.length
-        capacity = tokens.shape[1]
-        device = tokens.device
-        follow = self.find(history)
-        available = torch.where(follow >= 0, length - follow, 0).clamp(max=num_tokens)
-        # Always num_tokens drafts (shapes known on the host, no read-back); past what the match
-        # offers, repeat the pending token — a guess verified like any other.
-        offsets = torch.arange(num_tokens, device=device)
-        index = (follow.clamp(min=0)[:, None] + offsets).clamp(max=capacity - 1)
         pending = tokens.gather(1, (length - 1)[:, None])
-        drafts = torch.where(offsets < available[:, None], tokens.gather(1, index), pending)
-        return Draft(drafts, None)
+        return Draft(continuation(tokens, self.find(history), length, num_tokens, pending), None)
 
     def find(self, history: History) -> torch.Tensor:
         """Per row, where the continuation of the most recent earlier occurrence of the
