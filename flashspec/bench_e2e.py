@@ -91,6 +91,7 @@ class Call:
     arms: list[str | None] | None = None  # the arm of each step (FlashSpec)
     peak_memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated during the call
     peak_growth_bytes: int | None = None  # ... minus what was allocated when it started
+    selector_seconds: float | None = None  # host time choosing arms and learning (FlashSpec bandit)
 
 
 @contextmanager
@@ -286,6 +287,7 @@ class FlashSpecSystem(System):
             accepted=s.accepted if engine.arms else None,
             proposed=s.proposed if engine.arms else None,
             arms=[r.arm for r in log if r.rows] if len(engine.arms) > 1 else None,
+            selector_seconds=s.selector_seconds if len(engine.arms) > 1 else None,
             peak_memory_bytes=m["peak"],
             peak_growth_bytes=m["growth"],
         )
@@ -700,6 +702,7 @@ def _run_cell(chosen: list[System], by_domain: dict[str, list[list[int]]], regim
                 "step_tokens": [round(t, 4) for t in call.step_tokens],
                 "step_accepted": [round(t, 4) for t in call.step_accepted],
                 **({"arms": call.arms} if call.arms is not None else {}),
+                **({"selector_seconds": call.selector_seconds} if call.selector_seconds is not None else {}),
                 "sequences": call.sequences,
             })
             bar.update()
@@ -755,6 +758,10 @@ def _summarize_cell(cell: dict[str, Any], chosen: list[System], names: list[str]
             arms = [a for c in own for a in c.get("arms", [])]
             if arms:
                 row["arm_steps"] = {a: arms.count(a) for a in dict.fromkeys(arms)}
+            selection = [c["selector_seconds"] for c in own if "selector_seconds" in c]
+            if selection and steps:
+                row["selection_us_per_step"] = sum(selection) / len(steps) * 1e6
+                row["selection_share_of_step"] = sum(selection) / sum(steps)
             if system.gamma is not None and costs is not None and row["acceptance_rate"] is not None:
                 c_ratio = costs["drafters"][system.drafter]["c"]
                 predicted = predicted_speedup(row["acceptance_rate"], system.gamma, c_ratio)
@@ -936,6 +943,10 @@ def summarize(results: dict[str, Any]) -> str:
             total = sum(r["arm_steps"].values())
             shares = ", ".join(f"{a} {n / total:.0%}" for a, n in sorted(r["arm_steps"].items(), key=lambda x: -x[1]))
             lines.append(f"* {r['system']}, {r['domain']}: steps by arm: {shares}.")
+        for r in rows:
+            if r["domain"] == "all" and "selection_us_per_step" in r:
+                lines.append(f"* {r['system']}: choosing arms and learning took {r['selection_us_per_step']:.0f} µs "
+                             f"of host time per step ({r['selection_share_of_step']:.2%} of the step time).")
         if arms:
             lines.append("")
         greedy = cell.get("greedy")

@@ -146,8 +146,12 @@ def test_bandit_logs_one_arm_per_step(greedy):
         for call in cell["calls"]:
             if call["system"] == "flashspec bandit":
                 assert len(call["arms"]) == len(call["step_seconds"]) and set(call["arms"]) <= arms
+                assert call["selector_seconds"] > 0
             else:
-                assert "arms" not in call
+                assert "arms" not in call and "selector_seconds" not in call
+        row = next(r for r in cell["summary"] if r["system"] == "flashspec bandit" and r["domain"] == "all")
+        assert row["selection_us_per_step"] > 0 and 0 < row["selection_share_of_step"] < 1
+    assert "flashspec bandit: choosing arms and learning took" in bench_e2e.summarize(results)
 
 
 def test_markdown_and_plots_are_written(greedy):
