@@ -1092,14 +1092,18 @@ def rewrite_report(out_dir: Path) -> list[Path]:
     path = Path(out_dir) / "e2e.json"
     if not path.is_file():
         raise ValueError(f"No e2e.json in {out_dir}; give the folder of a previous `flashspec bench e2e` run.")
-    results = json.loads(path.read_text())
-    chosen = [System(name=s["name"], family=s["family"], models=[], drafter=s.get("drafter"), gamma=s.get("gamma"))
-              for s in results["systems"]]
-    names = [s.name for s in chosen]
-    for cell in results["cells"]:
-        cell["summary"] = _summarize_cell(cell, chosen, names, cell.get("forward_costs"))
-        if results["settings"]["temperature"] == 0:
-            cell["greedy"] = _greedy_check(cell["calls"])
+    try:
+        results = json.loads(path.read_text())
+        chosen = [System(name=s["name"], family=s["family"], models=[], drafter=s.get("drafter"),
+                         gamma=s.get("gamma")) for s in results["systems"]]
+        names = [s.name for s in chosen]
+        for cell in results["cells"]:
+            cell["summary"] = _summarize_cell(cell, chosen, names, cell.get("forward_costs"))
+            if results["settings"]["temperature"] == 0:
+                cell["greedy"] = _greedy_check(cell["calls"])
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{path} is not an e2e.json written by `flashspec bench e2e` "
+                         f"({type(error).__name__}: {error}).") from None
     results["rewritten"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return write(results, Path(out_dir))
 

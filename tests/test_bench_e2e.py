@@ -348,6 +348,12 @@ def test_rewrite_report_recomputes_tables_from_raw_calls(greedy, tmp_path, capsy
     assert (folder / "tokens_per_second.png").is_file()
     assert main(["bench", "e2e", "--rewrite-report", str(tmp_path / "empty")]) == 2
     assert "No e2e.json" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for text in ("{not json", '{"systems": []}'):
+        (broken / "e2e.json").write_text(text)
+        assert main(["bench", "e2e", "--rewrite-report", str(broken)]) == 2
+        assert "is not an e2e.json written by" in capsys.readouterr().err
 
 
 def test_prediction_with_c_from_steps():

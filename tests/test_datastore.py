@@ -95,6 +95,8 @@ def test_longest_match_wins_and_large_token_ids_are_exact():
     ([1, 2, 3, 4, 5], {"min_ngram": 3, "max_ngram": 2}, "min_ngram <= max_ngram"),
     ([1, -2, 3, 4, 5], {}, "Token ids"),
     ([1, 2, 3, 1 << 21], {}, "Token ids"),
+    ([], {}, "store is empty"),
+    ([1, 2, 3, 4, 5], {"max_ngram": True}, "min_ngram <= max_ngram"),
 ])
 def test_bad_stores_and_sizes_are_value_errors(store, options, message):
     with pytest.raises(ValueError, match=message):

@@ -72,11 +72,13 @@ class DatastoreDrafter:
         self, store: torch.Tensor | Sequence[int], name: str = "store", max_ngram: int = 3, min_ngram: int = 1,
         in_context: bool = True,
     ) -> None:
-        if not (isinstance(min_ngram, int) and isinstance(max_ngram, int)
-                and 1 <= min_ngram <= max_ngram <= self.MAX_NGRAM):
+        sizes_are_ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (min_ngram, max_ngram))
+        if not (sizes_are_ints and 1 <= min_ngram <= max_ngram <= self.MAX_NGRAM):
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram <= {self.MAX_NGRAM}; "
                              f"got min_ngram={min_ngram!r}, max_ngram={max_ngram!r}.")
         store = torch.as_tensor(store)
+        if store.numel() == 0:
+            raise ValueError("The store is empty; give it the token ids of some text.")
         if store.dim() != 1 or store.dtype.is_floating_point or store.dtype == torch.bool:
             raise ValueError(f"The store must be a 1-D sequence of token ids; got shape {tuple(store.shape)} "
                              f"and dtype {store.dtype}.")
