@@ -198,6 +198,10 @@ class SpeculativeEngine:
         static_on_gpu = isinstance(self._target_lm, StaticLM) and self.target.device.type == "cuda"
         self._graphs = Graphs(enabled=static_on_gpu)
         self._buffers: _Workspace | None = None
+        # Queue the next step before a poll waits for its read-back, so that the device does not
+        # idle while the host reads the log and launches the next graphs (SPEC.md §5). On a CPU
+        # nothing runs ahead, and a step queued after the last row finished would be wasted work.
+        self.queue_ahead = self.device.type == "cuda"
 
     # ------------------------------------------------------------------ selection
     def arm_label(self, arm: int, num_draft_tokens: int | None = None) -> str:
@@ -427,18 +431,24 @@ class SpeculativeEngine:
             torch.cuda.synchronize(self.device)
         stats.prefill_seconds = time.perf_counter() - start
         forward_before = run.forward_seconds()
+        lookahead = self.queue_ahead
         with tqdm(total=run.budget, disable=not progress, desc="generating", unit="tok") as bar:
             # Every step commits at least one token per active row, so max_new_tokens - 1 steps
             # finish every row; the loop reads the device only every sync_every steps.
             for step in range(max_new_tokens - 1):
                 if step % sync_every == 0:
-                    running = run.poll()
-                    bar.update(int(run.generated.sum()) - bar.n)
+                    snapshot = run.snapshot()
+                    if lookahead:
+                        run.step()  # harmless if every row has finished: it commits nothing
+                    running = run.poll(snapshot)
+                    bar.update(run.generated_total - bar.n)
                     if not running:
                         break
+                    if lookahead:
+                        continue
                 run.step()
             run.poll()
-            bar.update(int(run.generated.sum()) - bar.n)
+            bar.update(run.generated_total - bar.n)
         stats.seconds = time.perf_counter() - start
         stats.decode_seconds = stats.seconds - stats.prefill_seconds
         stats.forward_seconds = run.forward_seconds() - forward_before
@@ -543,6 +553,7 @@ class _Run:
         self.proposed: list[int] = []  # host: drafts per active row at each step
         self.clock = _StepClock(device)
         self.polled = 0  # steps already handed to the stats and the selector
+        self.generated_total = 0  # tokens generated so far, as of the last poll
         self.target = engine._target_lm
         self.graphs = engine._graphs
         for drafter in engine.drafters:
@@ -559,6 +570,12 @@ class _Run:
         result = verify(logits, no_drafts, None, self.params, self.verify_uniforms[:, :1])
         self.commit(result.tokens, zeros)
         self.max_length += 1
+        # Drafters with a cache fill it now, so that no step pays for a pass over the prompt.
+        history = History(self.tokens, self.length, self.active, self.max_length)
+        for drafter in self.engine.drafters:
+            prefill = getattr(drafter, "prefill", None)
+            if prefill is not None:
+                prefill(history)
 
     def step(self) -> None:
         """One speculative step: select → propose → score → verify → commit; the update
@@ -621,22 +638,42 @@ class _Run:
         ws.log.index_copy_(0, ws.steps_taken.clamp(max=ws.log.shape[0] - 1)[None], entry[None])
         ws.steps_taken += 1
 
-    def poll(self) -> bool:
-        """Read the lagged per-step log (a host synchronisation): update statistics and the
-        selector; return whether any row is still generating."""
+    def snapshot(self) -> _Snapshot:
+        """Start reading the per-step log, the stop flag and the token count back to the host:
+        non-blocking copies on a GPU, finished by :meth:`poll`. Marks the end of the last step."""
         steps = len(self.chosen)
-        if steps > self.polled:
-            self.clock.mark()
-            log = self.ws.log[self.polled : steps].tolist()  # the synchronisation
-            seconds = self.clock.durations(steps - self.polled)
+        self.clock.mark()
+        marks = self.clock.take(steps - self.polled)
+        ws = self.ws
+        flags = torch.stack([self.active.any().long(), self.generated.sum()])
+        packed = torch.cat([ws.log[self.polled : steps].flatten(), flags])
+        if packed.is_cuda:
+            packed = packed.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            ready = None
+        return _Snapshot(steps, marks, packed, ready)
+
+    def poll(self, snapshot: _Snapshot | None = None) -> bool:
+        """Finish reading ``snapshot`` (taken now when not given; this waits for the device):
+        update statistics and the selector; return whether any row is still generating."""
+        snapshot = snapshot or self.snapshot()
+        if snapshot.ready is not None:
+            snapshot.ready.synchronize()  # the synchronisation
+        values = snapshot.packed.tolist()
+        *log, running, self.generated_total = values
+        if snapshot.steps > self.polled:
+            seconds = self.clock.seconds(snapshot.marks)
             if self.engine._tp is not None and self.selector is not None:
                 seconds = self.engine._tp.shared_floats(seconds)  # rank 0's clock: same rewards everywhere
+            entries = [log[i : i + 3] for i in range(0, len(log), 3)]
             for arm, k, (accepted, active_rows, committed), dt in zip(
-                self.chosen[self.polled :], self.proposed[self.polled :], log, seconds
+                self.chosen[self.polled : snapshot.steps], self.proposed[self.polled : snapshot.steps], entries, seconds
             ):
                 self._record(arm, k, accepted, active_rows, committed, dt)
-            self.polled = steps
-        return bool(self.active.any())
+            self.polled = snapshot.steps
+        return bool(running)
 
     def _record(
         self, arm: int | None, k: int, accepted: int, active_rows: int, committed: int, seconds: float
@@ -718,10 +755,26 @@ class _StepClock:
         else:
             self.marks.append(time.perf_counter())
 
-    def durations(self, steps: int) -> list[float]:
-        """Seconds of the last ``steps`` steps (marks: one per step start, then the poll's)."""
-        marks = self.marks[-(steps + 1):]
-        self.marks = self.marks[-1:]  # the poll's mark starts nothing; the next step marks again
+    def take(self, steps: int) -> list[Any]:
+        """The marks bounding the last ``steps`` steps (one per step start, then the poll's);
+        the clock keeps the poll's mark only (the next step marks again)."""
+        marks = self.marks[-(steps + 1):] if steps else []
+        self.marks = self.marks[-1:]
+        return marks
+
+    def seconds(self, marks: list[Any]) -> list[float]:
+        """Seconds between consecutive ``marks`` (CUDA events must have completed)."""
         if self.cuda:
             return [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
         return [b - a for a, b in zip(marks, marks[1:])]
+
+
+@dataclass
+class _Snapshot:
+    """A read-back in flight: the log of steps up to ``steps`` plus the stop flag and the
+    number of generated tokens (``packed``, valid once ``ready`` has completed)."""
+
+    steps: int
+    marks: list[Any]
+    packed: torch.Tensor
+    ready: Any  # torch.cuda.Event, or None on the CPU

@@ -136,3 +136,42 @@ def test_sync_every_changes_nothing_but_when_the_host_looks():
 def test_bad_sync_every_raises(bad):
     with pytest.raises(ValueError, match="sync_every"):
         SpeculativeEngine(TARGET, []).generate([[1, 2]], max_new_tokens=3, sync_every=bad)
+
+
+def test_model_drafters_are_prefilled_with_the_target():
+    """The drafter's pass over the prompt belongs to the prefill: it comes before the first
+    step's target forward, and every step re-feeds at most 2 tokens (one CUDA graph on a GPU)."""
+    target, drafter = llama(), llama(seed=3)
+    engine = SpeculativeEngine(target, [drafter])
+    calls = []
+    for who, lm in (("target", engine._target_lm), ("drafter", engine.drafters[0]._lm)):
+        original = lm.forward
+
+        def forward(tokens, *args, _who=who, _original=original, **kwargs):
+            calls.append((_who, tokens.shape[1]))
+            return _original(tokens, *args, **kwargs)
+
+        lm.forward = forward
+    out = engine.generate([list(range(1, 21)), [4, 5, 6]], max_new_tokens=9, num_draft_tokens=3, eos_token_id=[])
+    assert calls[:2] == [("target", 20), ("drafter", 21)]  # prompts, then prompt + first token
+    steps = calls[2:]
+    assert [n for who, n in steps if who == "target"] == [4] * out.stats.steps
+    assert all(n <= 2 for who, n in steps if who == "drafter")
+
+
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_queueing_a_step_ahead_of_the_poll_changes_nothing_but_timing(sync_every):
+    """On a GPU the loop queues the next step before a poll waits (``queue_ahead``); the same
+    loop on the CPU must give the same tokens, including when rows stop early on EOS."""
+    kwargs = dict(max_new_tokens=25, do_sample=True, temperature=0.9, eos_token_id=[3], seed=2, sync_every=sync_every)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    results = []
+    for ahead in (False, True):
+        engine = SpeculativeEngine(TARGET, [llama(seed=5)])
+        engine.queue_ahead = ahead
+        results.append(engine.generate(prompts, **kwargs))
+    plain, ahead = results
+    assert plain.sequences == ahead.sequences
+    assert plain.stats.decode_tokens == ahead.stats.decode_tokens == sum(len(s) for s in plain.sequences) - 3
+    assert ahead.stats.steps >= plain.stats.steps  # at most one more (it commits nothing)
+    assert ahead.stats.steps <= plain.stats.steps + 1

@@ -41,7 +41,11 @@ class Draft:
 class Drafter(Protocol):
     """Proposes draft tokens. The engine calls ``begin`` once per ``generate``, then per step
     ``propose`` and ``accept`` (even for steps where another drafter was selected, ``accept``
-    is not called; a drafter must catch up from ``History`` on its next ``propose``)."""
+    is not called; a drafter must catch up from ``History`` on its next ``propose``).
+
+    Optional: ``prefill(history)``, called once per ``generate`` right after the target's
+    prefill (the history holds the prompts and the first new token), for a drafter that wants
+    to fill a cache while the request is still in its prefill."""
 
     name: str
 

@@ -14,11 +14,12 @@ from .base import Draft, History
 class ModelDrafter:
     """Drafts autoregressively with its own KV cache (SPEC.md §4).
 
-    Each ``propose`` first re-feeds the last ``W`` committed tokens of every row (``W`` covers
-    every token the cache has not seen, bounded on the host: 2 when this drafter also drafted
-    the previous step, the whole prompt the first time, otherwise at least
-    :attr:`SWITCH_WINDOW` and a power of two), then
-    drafts one token per forward.
+    The engine calls :meth:`prefill` during the request's prefill (the prompt enters the cache
+    then). Each ``propose`` first re-feeds the last ``W`` committed tokens of every row (``W``
+    covers every token the cache has not seen, bounded on the host: 2 when this drafter also
+    drafted the previous step or was just prefilled, the whole prompt when it was not prefilled,
+    otherwise at least :attr:`SWITCH_WINDOW` and a power of two), then drafts one token per
+    forward.
     With a :class:`~flashspec.cache.StaticLM` on CUDA the whole proposal is one CUDA graph.
     """
 
@@ -44,6 +45,23 @@ class ModelDrafter:
     def begin(self, batch_size: int) -> None:
         self._seen_through = None
 
+    def prefill(self, history: History) -> None:
+        """Feed every committed token now, during the request's prefill, so that the first
+        proposal is a steady step (one CUDA graph) rather than an eager pass over the prompt."""
+        self._start(history)
+        bound = history.length_bound()
+        length, tokens = history.length, history.tokens
+        index = torch.arange(bound, device=length.device)
+        real = index[None, :] < length[:, None]
+        zeros = torch.zeros_like(length)
+        self._lm.forward(tokens[:, :bound], zeros, real, logits_at=(length - 1).clamp(min=0)[:, None])
+        self._seen_through = bound  # the first proposal re-feeds the last 2 tokens, as every step does
+
+    def _start(self, history: History) -> None:
+        """A new request: size the cache (dropping graphs that captured replaced buffers)."""
+        if self._lm.reset(history.tokens.shape[0], history.tokens.shape[1]):
+            self._graphs.clear()
+
     def _window(self, history: History) -> int:
         """How many trailing committed tokens to re-feed so the cache misses none."""
         bound = history.length_bound()
@@ -66,17 +84,17 @@ class ModelDrafter:
         device = self.model.device
         if history.tokens.device != device:
             raise ValueError("A model drafter must live on the same device as the target.")
-        first = self._seen_through is None
-        active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
+        first = self._seen_through is None  # not prefilled: the first proposal feeds the prompt
         if first:
-            replaced = self._lm.reset(history.tokens.shape[0], history.tokens.shape[1])
-            inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, active, uniforms))
-            if replaced or inputs != self._graph_inputs:  # graphs read fixed buffers: drop stale ones
-                self._graphs.clear()
-                self._graph_inputs = inputs
+            self._start(history)
+        active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
+        inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, active, uniforms))
+        if inputs != self._graph_inputs:  # graphs read fixed buffers: drop stale ones
+            self._graphs.clear()
+            self._graph_inputs = inputs
         window = self._window(history)
         self._seen_through = history.length_bound() + num_tokens + 1
-        # The first proposal (the whole prompt) happens once per request: not worth a graph.
+        # A proposal over the whole prompt happens at most once per request: not worth a graph.
         key = None if first else (window, num_tokens, params)
         tokens, probs = self._graphs.run(
             key, lambda: self._draft(history.tokens, history.length, active, uniforms, window, num_tokens, params)
