@@ -3,37 +3,27 @@
 Design
 ------
 Rows are the ``B·(k+1)`` target positions, ``V`` the vocabulary, ``CHUNK = 4096`` (smaller only
-when ``V`` is). Greedy runs one kernel, sampling two: on a GPU each kernel launch and each
-kernel boundary costs microseconds, which at batch sizes of a few sequences is most of the time.
-Work that needs every slice of a row first is done by the *last program to arrive*: each program
-of a group of sequences bumps the group's arrival counter (an atomic with acquire-release order
-after a barrier) once its slice is written, and the one that sees ``programs − 1`` folds the
-group's slices and resets the counter to 0 for the next call.
+when ``V`` is). Greedy runs kernels 1–3, sampling 1–5; every kernel handles a tile of rows or
+sequences, so nothing loops over positions or sequences one by one on the host.
 
-1. ``_accept_kernel``, grid ``(groups, row tiles × cdiv(V, CHUNK))``: each program reads one
-   ``CHUNK`` slice of its logits rows, once, in the logits' own dtype, and writes one partial:
-   greedy, the slice's maximum and the first index reaching it; sampling, the maximum ``m`` of
-   ``z = logit / T`` (in float32) and ``s = Σ exp(z − m)`` (an all ``-inf`` slice gives
-   ``m = -inf, s = 0``, no NaN). The group's last program folds each row's partials into its
-   argmax (first index of the maximum, as ``torch.argmax``) or its log-sum-exp pair ``(M, S)``,
-   then decides every sequence of the group, all positions at once (16 per step): greedy
-   accepts ``d_i == argmax_i``; sampling loads the one logit at each draft and accepts
-   ``u_i · q_i(d_i) < p_i(d_i)`` in float64 (``p = exp(z − M) / S`` in float32, as
-   ``softmax``; ``q = 1`` without draft probabilities). A prefix sum of the rejections gives
-   ``n`` (prefix only) without a branch. Greedy then writes the tokens (the new one is row
-   ``n``'s argmax) and is done.
-2. ``_residual_kernel`` (sampling), grid ``(groups, cdiv(V, CHUNK))``: one slice of row ``n``
-   and of ``q_n`` (one-hot of ``d_n`` without draft probabilities; zero when ``n = k``): the
-   float64 masses of ``r = max(0, p_n − q_n)`` and of ``p_n``, and their last positive indices.
-   The group's last program draws by inverse CDF with ``u_k`` from ``r`` (from ``p_n`` when
-   ``r`` has no mass): the chunk masses locate the chunk holding ``u_k · total``, only that chunk
-   is scanned (a float64 prefix sum), and the token is clamped to the last positive index, as
+1. ``_partials_kernel``, grid ``(rows, cdiv(V, CHUNK))``: each program reads one ``CHUNK`` slice
+   of a logits row, once, in the logits' own dtype, and writes one partial: greedy, the slice's
+   maximum and the first index reaching it; sampling, the maximum ``m`` of ``z = logit / T`` (in
+   float32) and ``s = Σ exp(z − m)`` (an all ``-inf`` slice gives ``m = -inf, s = 0``, no NaN).
+2. ``_rows_kernel``: folds each row's partials into the row's argmax (first index of the
+   maximum, as ``torch.argmax``) or its log-sum-exp pair ``(M, S)``.
+3. ``_decide_kernel``: per sequence, all positions at once (16 per step): greedy accepts
+   ``d_i == argmax_i``; sampling loads the one logit at each draft and accepts
+   ``u_i · q_i(d_i) < p_i(d_i)`` in float64 (``p = exp(z − M) / S`` in float32, as ``softmax``;
+   ``q = 1`` without draft probabilities). A prefix sum of the rejections gives ``n`` (prefix
+   only) without a branch. Greedy then writes the tokens; the new one is row ``n``'s argmax.
+4. ``_residual_kernel``, grid ``(B, cdiv(V, CHUNK))``: one slice of row ``n`` and of ``q_n``
+   (one-hot of ``d_n`` without draft probabilities; zero when ``n = k``): the float64 masses of
+   ``r = max(0, p_n − q_n)`` and of ``p_n``, and their last positive indices.
+5. ``_draw_kernel``: the inverse-CDF draw with ``u_k`` from ``r`` (from ``p_n`` when ``r`` has no
+   mass): the chunk masses locate the chunk holding ``u_k · total``, only that chunk is scanned
+   (a float64 prefix sum), and the token is clamped to the last positive index, as
    :func:`flashspec.sampling.sample` does. It writes the tokens.
-
-A group is one sequence for vocabularies of at least 4096 (one row per program of kernel 1);
-smaller vocabularies pack sequences and rows so that a program still covers ~4096 logits. The
-arrival counters persist per device (zero between calls), so calls on one device must not
-overlap on different streams.
 
 top-k and top-p need a sort of every row, which does not stream; for them the logits first go
 through :func:`flashspec.sampling.process_logits` in PyTorch (float32, ``-inf`` for removed
@@ -43,8 +33,8 @@ Memory traffic
 --------------
 * The logits are read **once** (kernel 1): ``B·(k+1)·V`` elements. That is the floor of any exact
   method, and it is not O(1) in ``V``.
-* Sampling reads row ``n`` of the logits (and of ``q``) once more per sequence (kernel 2) plus
-  one ``CHUNK`` of it (the draw): ``≈ B·(V + CHUNK)·(logit + q bytes)``, a ``1/(k+1)`` fraction of
+* Sampling reads row ``n`` of the logits (and of ``q``) once more per sequence (kernel 4) plus
+  one ``CHUNK`` of it (kernel 5): ``≈ B·(V + CHUNK)·(logit + q bytes)``, a ``1/(k+1)`` fraction of
   the logits on top. Greedy reads no logits again.
 * Per-row state is O(1) in ``V``; the partial buffers are ``O(V / CHUNK)`` per row (8 bytes per
   4096 logits, 24 per sequence for the residual); drafts, uniforms, ``q`` at the drafts and the
@@ -95,11 +85,14 @@ from .sampling import SamplingParams, process_logits
 
 __all__ = ["compiled_variants", "verify_triton"]
 
-CHUNK_MAX = 4096  # logits per row and program of both kernels (8 KiB of bf16)
-TILE = 4096  # small vocabularies: rows per program of kernel 1 so that a tile holds ~TILE logits
+CHUNK_MAX = 4096  # logits per row and program of kernels 1 and 4 (8 KiB of bf16)
+TILE = 4096  # small vocabularies: rows per program so that a tile holds ~TILE logits
 CHUNK_WARPS = 4
-POSITION_BLOCK = 16  # positions per step of the decision and the token writes (one step while k < 16)
-SCAN_BLOCK = 4096  # logits per step of the draw's scan inside one chunk (one step)
+SEQ_TILE = 16  # sequences per program of kernel 3 (at least)
+SEQ_WARPS = 2
+POSITION_BLOCK = 16  # positions per step of kernels 3 and 5 (one step while k < 16)
+SCAN_BLOCK = 4096  # logits per step of kernel 5's scan inside one chunk (one step)
+DRAW_WARPS = 8
 PARTIAL_BLOCK = 64  # partials folded per step (one step while V <= 64 * CHUNK)
 FAST_EXP = True  # the hardware exp approximation; False: libdevice's expf, as PyTorch (slower)
 _INT_MAX = tl.constexpr(2147483647)
@@ -137,14 +130,14 @@ _kernel = triton.jit(do_not_specialize=_RUNTIME)
 @_device_fn
 def _fold_argmax(m_ptr, x_ptr, parts, live, num_chunks, PARTIALS: tl.constexpr):
     """Rows' maximum and first argmax from their chunk partials at ``parts [S]`` (in order)."""
-    best = tl.load(m_ptr + parts, mask=live, other=_NEG_INF, cache_modifier=".cg")
-    best_idx = tl.load(x_ptr + parts, mask=live, other=0, cache_modifier=".cg")
+    best = tl.load(m_ptr + parts, mask=live, other=_NEG_INF)
+    best_idx = tl.load(x_ptr + parts, mask=live, other=0)
     c0 = num_chunks * 0
     while c0 < num_chunks:
         c = c0 + tl.arange(0, PARTIALS)
         mask = live[:, None] & (c < num_chunks)[None, :]
-        m = tl.load(m_ptr + parts[:, None] + c[None, :], mask=mask, other=_NEG_INF, cache_modifier=".cg")
-        x = tl.load(x_ptr + parts[:, None] + c[None, :], mask=mask, other=_INT_MAX, cache_modifier=".cg")
+        m = tl.load(m_ptr + parts[:, None] + c[None, :], mask=mask, other=_NEG_INF)
+        x = tl.load(x_ptr + parts[:, None] + c[None, :], mask=mask, other=_INT_MAX)
         block_best = tl.reduce(m, 1, _MAX)
         block_idx = tl.reduce(tl.where(mask & (m == block_best[:, None]), x, _INT_MAX), 1, _MIN)
         better = block_best > best
@@ -157,14 +150,14 @@ def _fold_argmax(m_ptr, x_ptr, parts, live, num_chunks, PARTIALS: tl.constexpr):
 @_device_fn
 def _fold_logsumexp(m_ptr, s_ptr, parts, live, num_chunks, PARTIALS: tl.constexpr, MATH: tl.constexpr):
     """Rows' ``(M, S)``, ``S = Σ exp(z − M)``, from their chunk partials at ``parts [S]``."""
-    big_m = tl.load(m_ptr + parts, mask=live, other=0.0, cache_modifier=".cg")
-    big_s = tl.load(s_ptr + parts, mask=live, other=0.0, cache_modifier=".cg") * 0.0  # (big_m * 0 is NaN at -inf)
+    big_m = tl.load(m_ptr + parts, mask=live, other=0.0)
+    big_s = tl.load(s_ptr + parts, mask=live, other=0.0) * 0.0  # (big_m * 0 is NaN at -inf)
     c0 = num_chunks * 0
     while c0 < num_chunks:
         c = c0 + tl.arange(0, PARTIALS)
         mask = live[:, None] & (c < num_chunks)[None, :]
-        m = tl.load(m_ptr + parts[:, None] + c[None, :], mask=mask, other=_NEG_INF, cache_modifier=".cg")
-        s = tl.load(s_ptr + parts[:, None] + c[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        m = tl.load(m_ptr + parts[:, None] + c[None, :], mask=mask, other=_NEG_INF)
+        s = tl.load(s_ptr + parts[:, None] + c[None, :], mask=mask, other=0.0)
         new_m = tl.maximum(big_m, tl.reduce(m, 1, _MAX))
         safe = tl.where(new_m == _NEG_INF, 0.0, new_m)
         big_s = big_s * _exp(big_m - safe, MATH) + tl.reduce(s * _exp(m - safe[:, None], MATH), 1, _SUM)
@@ -233,48 +226,68 @@ def _write_tokens(drafts_ptr, b, d_sb, d_si, tok_ptr, live, k1, n, final, KB: tl
 # ----------------------------------------------------------------------------------------------
 
 
-@_device_fn
-def _last_to_arrive(count_ptr, programs):
-    """Whether this program is the last of the ``programs`` that share the counter at
-    ``count_ptr`` to get here (that one then resets it to 0 for the next call).
-
-    The barrier puts every store of this program before its atomic; the atomic's acquire-release
-    semantics at GPU scope put every other program's stores before the last one's loads, which
-    read what other programs wrote with ``.cg`` (from L2, not a stale L1 line)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    return arrived == programs - 1
-
-
-@_device_fn
-def _fold_rows(part_m_ptr, part_x_ptr, row_m_ptr, row_x_ptr, first_row, end_row, num_chunks,
-               GREEDY: tl.constexpr, PARTIALS: tl.constexpr, FOLD: tl.constexpr, MATH: tl.constexpr):
-    """Fold the chunk partials of rows ``first_row .. end_row − 1`` → each row's argmax, or its
-    ``(M, S)``, stored at ``row_m/row_x``; ``FOLD`` rows at a time."""
-    r0 = first_row
-    while r0 < end_row:
-        rows = r0 + tl.arange(0, FOLD)
-        live = rows < end_row
-        parts = rows * num_chunks
-        if GREEDY:
-            _, choice = _fold_argmax(part_m_ptr, part_x_ptr, parts, live, num_chunks, PARTIALS)
-            tl.store(row_x_ptr + rows, choice, mask=live)
-        else:
-            big_m, big_s = _fold_logsumexp(part_m_ptr, part_x_ptr, parts, live, num_chunks, PARTIALS, MATH)
-            tl.store(row_m_ptr + rows, big_m, mask=live)
-            tl.store(row_x_ptr + rows, big_s, mask=live)
-        r0 += FOLD
+@_kernel
+def _partials_kernel(
+    logits_ptr, part_m_ptr, part_x_ptr, V, n_rows, k1, stride_b, stride_i, num_chunks, temperature,
+    GREEDY: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, MATH: tl.constexpr,
+):
+    """Kernel 1: one slice of ``ROWS`` rows → (max, first argmax) or (max z, Σ exp(z − max))."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = rows < n_rows
+    b = rows // k1
+    offset = b * stride_b + (rows - b * k1) * stride_i
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 16)
+    chunk = tl.program_id(1)
+    idx = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = live[:, None] & (idx < V)[None, :]
+    x = tl.load(logits_ptr + offset[:, None] + idx[None, :], mask=mask, other=_NEG_INF).to(tl.float32)
+    out = rows * num_chunks + chunk
+    if GREEDY:
+        m = tl.reduce(x, 1, _MAX)
+        first = tl.reduce(tl.where(x == m[:, None], idx[None, :], _INT_MAX), 1, _MIN)
+        tl.store(part_m_ptr + out, m, mask=live)
+        tl.store(part_x_ptr + out, first, mask=live)
+    else:
+        z = _scale(x, temperature, MATH)
+        m = tl.reduce(z, 1, _MAX)
+        safe = tl.where(m == _NEG_INF, 0.0, m)
+        tl.store(part_m_ptr + out, m, mask=live)
+        tl.store(part_x_ptr + out, tl.reduce(_exp(z - safe[:, None], MATH), 1, _SUM), mask=live)
 
 
-@_device_fn
-def _decide(logits_ptr, row_m_ptr, row_x_ptr, drafts_ptr, q_ptr, u_ptr, n_out_ptr, tok_out_ptr, b, live,
-            V, k1, stride_b, stride_i, temperature, d_sb, d_si, q_sb, q_si, u_sb, u_si,
-            GREEDY: tl.constexpr, HAS_Q: tl.constexpr, KB: tl.constexpr, MATH: tl.constexpr):
-    """The accept tests of the sequences ``b [S]``, ``KB`` positions at a time, prefix-only.
+@_kernel
+def _rows_kernel(
+    part_m_ptr, part_x_ptr, row_m_ptr, row_x_ptr, n_rows, num_chunks,
+    GREEDY: tl.constexpr, ROWS: tl.constexpr, PARTIALS: tl.constexpr, MATH: tl.constexpr,
+):
+    """Kernel 2: fold each row's chunk partials → its argmax, or its ``(M, S)``."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = rows < n_rows
+    parts = rows * num_chunks
+    if GREEDY:
+        _, choice = _fold_argmax(part_m_ptr, part_x_ptr, parts, live, num_chunks, PARTIALS)
+        tl.store(row_x_ptr + rows, choice, mask=live)
+    else:
+        big_m, big_s = _fold_logsumexp(part_m_ptr, part_x_ptr, parts, live, num_chunks, PARTIALS, MATH)
+        tl.store(row_m_ptr + rows, big_m, mask=live)
+        tl.store(row_x_ptr + rows, big_s, mask=live)
+
+
+@_kernel
+def _decide_kernel(
+    logits_ptr, row_m_ptr, row_x_ptr, drafts_ptr, q_ptr, u_ptr, n_out_ptr, tok_out_ptr,
+    V, B, k1, stride_b, stride_i, temperature, d_sb, d_si, q_sb, q_si, u_sb, u_si,
+    GREEDY: tl.constexpr, HAS_Q: tl.constexpr, SEQS: tl.constexpr, KB: tl.constexpr, MATH: tl.constexpr,
+):
+    """Kernel 3: the accept tests of ``SEQS`` sequences, ``KB`` positions at a time, prefix-only.
 
     Greedy: accept ``d_i == argmax``, write n and the tokens (the new one is row n's argmax).
     Sampling: accept ``u_i · q_i(d_i) < p_i(d_i)`` in float64; write n.
     """
+    b = tl.program_id(0).to(tl.int64) * SEQS + tl.arange(0, SEQS)
+    live = b < B
+    k1 = k1.to(tl.int64)  # index math in int64 (the interpreter checks int32 overflow)
     n = b * 0
     still = live
     p0 = k1 * 0
@@ -312,16 +325,52 @@ def _decide(logits_ptr, row_m_ptr, row_x_ptr, drafts_ptr, q_ptr, u_ptr, n_out_pt
         _write_tokens(drafts_ptr, b, d_sb, d_si, tok_out_ptr, live, k1, n, final, KB)
 
 
-@_device_fn
-def _draw(logits_ptr, q_ptr, drafts_ptr, u_ptr, n_ptr, row_m_ptr, row_s_ptr,
-          tot_r_ptr, tot_p_ptr, last_r_ptr, last_p_ptr, tok_out_ptr, b, live,
-          V, k1, stride_b, stride_i, num_chunks, temperature, d_sb, d_si, q_sb, q_si, u_sb, u_si,
-          HAS_Q: tl.constexpr, PARTIALS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-          KB: tl.constexpr, MATH: tl.constexpr):
-    """The inverse-CDF draw from r (or p_n) for the sequences ``b [S]``: the chunk masses locate
-    the chunk holding ``u_k · total``, and only that chunk is scanned."""
+@_kernel
+def _residual_kernel(
+    logits_ptr, q_ptr, drafts_ptr, n_ptr, row_m_ptr, row_s_ptr, tot_r_ptr, tot_p_ptr, last_r_ptr, last_p_ptr,
+    V, B, k1, stride_b, stride_i, num_chunks, temperature, d_sb, d_si, q_sb, q_si,
+    HAS_Q: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, MATH: tl.constexpr,
+):
+    """Kernel 4: one slice of row n of ``ROWS`` sequences — float64 masses of r and p_n and
+    their last positive indices."""
+    b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = b < B
+    n = tl.load(n_ptr + b, mask=live, other=0)
+    drafted = live & (n < k1 - 1)
+    d_n = tl.load(drafts_ptr + b * d_sb + n * d_si, mask=drafted, other=-1)
+    offset = b * stride_b + n * stride_i
+    q_offset = b * q_sb + n * q_si
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 16)
+        q_offset = tl.multiple_of(q_offset, 16)
+    chunk = tl.program_id(1)
+    idx = (chunk * CHUNK + tl.arange(0, CHUNK))[None, :]
+    big_m = tl.load(row_m_ptr + b * k1 + n, mask=live, other=0.0)
+    big_s = tl.load(row_s_ptr + b * k1 + n, mask=live, other=1.0)
+    p, r = _row_n(logits_ptr + offset, q_ptr + q_offset, d_n, drafted, temperature, big_m, big_s,
+                  idx, tl.where(live, V, 0), HAS_Q, MATH)
+    out = b * num_chunks + chunk
+    tl.store(tot_r_ptr + out, tl.reduce(r.to(tl.float64), 1, _SUM), mask=live)
+    tl.store(tot_p_ptr + out, tl.reduce(p.to(tl.float64), 1, _SUM), mask=live)
+    tl.store(last_r_ptr + out, tl.reduce(tl.where(r > 0, idx, -1), 1, _MAX), mask=live)
+    tl.store(last_p_ptr + out, tl.reduce(tl.where(p > 0, idx, -1), 1, _MAX), mask=live)
+
+
+@_kernel
+def _draw_kernel(
+    logits_ptr, q_ptr, drafts_ptr, u_ptr, n_ptr, row_m_ptr, row_s_ptr,
+    tot_r_ptr, tot_p_ptr, last_r_ptr, last_p_ptr, tok_out_ptr,
+    V, B, k1, stride_b, stride_i, num_chunks, temperature, d_sb, d_si, q_sb, q_si, u_sb, u_si,
+    HAS_Q: tl.constexpr, SEQS: tl.constexpr, PARTIALS: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr, KB: tl.constexpr, MATH: tl.constexpr,
+):
+    """Kernel 5: the inverse-CDF draw from r (or p_n), scanning one chunk per sequence."""
+    b = tl.program_id(0).to(tl.int64) * SEQS + tl.arange(0, SEQS)
+    live = b < B
+    k1 = k1.to(tl.int64)  # scalar index math in int64 (the interpreter checks int32 overflow)
+    num_chunks = num_chunks.to(tl.int64)
     start = b * num_chunks
-    zero = tl.zeros(b.shape, tl.float64)
+    zero = tl.zeros((SEQS,), tl.float64)
     total_r = zero
     total_p = zero
     last_r = b * 0 - 1
@@ -331,10 +380,10 @@ def _draw(logits_ptr, q_ptr, drafts_ptr, u_ptr, n_ptr, row_m_ptr, row_s_ptr,
         c = c0 + tl.arange(0, PARTIALS)
         mask = live[:, None] & (c < num_chunks)[None, :]
         at = start[:, None] + c[None, :]
-        total_r += tl.reduce(tl.load(tot_r_ptr + at, mask=mask, other=0.0, cache_modifier=".cg"), 1, _SUM)
-        total_p += tl.reduce(tl.load(tot_p_ptr + at, mask=mask, other=0.0, cache_modifier=".cg"), 1, _SUM)
-        last_r = tl.maximum(last_r, tl.reduce(tl.load(last_r_ptr + at, mask=mask, other=-1, cache_modifier=".cg"), 1, _MAX))
-        last_p = tl.maximum(last_p, tl.reduce(tl.load(last_p_ptr + at, mask=mask, other=-1, cache_modifier=".cg"), 1, _MAX))
+        total_r += tl.reduce(tl.load(tot_r_ptr + at, mask=mask, other=0.0), 1, _SUM)
+        total_p += tl.reduce(tl.load(tot_p_ptr + at, mask=mask, other=0.0), 1, _SUM)
+        last_r = tl.maximum(last_r, tl.reduce(tl.load(last_r_ptr + at, mask=mask, other=-1), 1, _MAX))
+        last_p = tl.maximum(last_p, tl.reduce(tl.load(last_p_ptr + at, mask=mask, other=-1), 1, _MAX))
         c0 += PARTIALS
     has_mass = total_r > 0
     u_final = tl.load(u_ptr + b * u_sb + (k1 - 1) * u_si, mask=live, other=0.0)
@@ -350,8 +399,8 @@ def _draw(logits_ptr, q_ptr, drafts_ptr, u_ptr, n_ptr, row_m_ptr, row_s_ptr,
         c = c0 + tl.arange(0, PARTIALS)
         mask = live[:, None] & (c < num_chunks)[None, :]
         at = start[:, None] + c[None, :]
-        mass = tl.where(has_mass[:, None], tl.load(tot_r_ptr + at, mask=mask, other=0.0, cache_modifier=".cg"),
-                        tl.load(tot_p_ptr + at, mask=mask, other=0.0, cache_modifier=".cg"))
+        mass = tl.where(has_mass[:, None], tl.load(tot_r_ptr + at, mask=mask, other=0.0),
+                        tl.load(tot_p_ptr + at, mask=mask, other=0.0))
         cdf = carry[:, None] + tl.associative_scan(mass, 1, _SUM)
         below = mask & (cdf <= threshold[:, None])
         c_star += tl.reduce(below.to(tl.int64), 1, _SUM)
@@ -382,108 +431,10 @@ def _draw(logits_ptr, q_ptr, drafts_ptr, u_ptr, n_ptr, row_m_ptr, row_s_ptr,
     # Clamp to the last positive index: of chunk c* (chunk and element sums may round apart), or
     # of the whole row when the threshold lies past every chunk (u * total rounded up to total).
     c_last = start + tl.minimum(c_star, num_chunks - 1)
-    last_in_chunk = tl.where(has_mass, tl.load(last_r_ptr + c_last, mask=live, other=-1, cache_modifier=".cg"),
-                             tl.load(last_p_ptr + c_last, mask=live, other=-1, cache_modifier=".cg"))
+    last_in_chunk = tl.where(has_mass, tl.load(last_r_ptr + c_last, mask=live, other=-1),
+                             tl.load(last_p_ptr + c_last, mask=live, other=-1))
     final = tl.where(found, tl.minimum(first + count, last_in_chunk), tl.where(has_mass, last_r, last_p))
     _write_tokens(drafts_ptr, b, d_sb, d_si, tok_out_ptr, live, k1, n, final, KB)
-
-
-@_kernel
-def _accept_kernel(
-    logits_ptr, part_m_ptr, part_x_ptr, row_m_ptr, row_x_ptr, count_ptr, drafts_ptr, q_ptr, u_ptr,
-    n_out_ptr, tok_out_ptr, V, B, k1, stride_b, stride_i, num_chunks, temperature, d_sb, d_si, q_sb, q_si,
-    u_sb, u_si,
-    GREEDY: tl.constexpr, HAS_Q: tl.constexpr, ALIGNED: tl.constexpr, SEQS: tl.constexpr, ROWS: tl.constexpr,
-    CHUNK: tl.constexpr, PARTIALS: tl.constexpr, FOLD: tl.constexpr, KB: tl.constexpr, MATH: tl.constexpr,
-):
-    """Kernel 1, grid ``(cdiv(B, SEQS), cdiv(SEQS·(k+1), ROWS) · chunks)``: one ``CHUNK`` slice of
-    ``ROWS`` rows of a group of ``SEQS`` sequences → one partial per row: greedy, the slice's
-    maximum and the first index reaching it; sampling, the maximum ``m`` of ``z = logit / T`` and
-    ``s = Σ exp(z − m)``. The group's last program to finish folds the group's partials and
-    decides its accept lengths (greedy: and its tokens)."""
-    group = tl.program_id(0).to(tl.int64)
-    k1 = k1.to(tl.int64)  # index math in int64 (the interpreter checks int32 overflow)
-    num_chunks = num_chunks.to(tl.int64)
-    tile = tl.program_id(1).to(tl.int64)
-    row_tile = tile // num_chunks
-    chunk = tile - row_tile * num_chunks
-    first_row = group * SEQS * k1
-    end_row = tl.minimum(first_row + SEQS * k1, B * k1)
-    rows = first_row + row_tile * ROWS + tl.arange(0, ROWS)
-    live = rows < end_row
-    b = rows // k1
-    offset = b * stride_b + (rows - b * k1) * stride_i
-    if ALIGNED:
-        offset = tl.multiple_of(offset, 16)
-    idx = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = live[:, None] & (idx < V)[None, :]
-    x = tl.load(logits_ptr + offset[:, None] + idx[None, :], mask=mask, other=_NEG_INF).to(tl.float32)
-    out = rows * num_chunks + chunk
-    if GREEDY:
-        m = tl.reduce(x, 1, _MAX)
-        first = tl.reduce(tl.where(x == m[:, None], idx[None, :], _INT_MAX), 1, _MIN)
-        tl.store(part_m_ptr + out, m, mask=live)
-        tl.store(part_x_ptr + out, first, mask=live)
-    else:
-        z = _scale(x, temperature, MATH)
-        m = tl.reduce(z, 1, _MAX)
-        safe = tl.where(m == _NEG_INF, 0.0, m)
-        tl.store(part_m_ptr + out, m, mask=live)
-        tl.store(part_x_ptr + out, tl.reduce(_exp(z - safe[:, None], MATH), 1, _SUM), mask=live)
-    programs = ((SEQS * k1 + ROWS - 1) // ROWS) * num_chunks
-    if _last_to_arrive(count_ptr + group, programs):
-        tl.store(count_ptr + group, 0)
-        _fold_rows(part_m_ptr, part_x_ptr, row_m_ptr, row_x_ptr, first_row, end_row, num_chunks,
-                   GREEDY, PARTIALS, FOLD, MATH)
-        tl.debug_barrier()  # the rows' values, stored above, are read below by other threads
-        seqs = group * SEQS + tl.arange(0, SEQS)
-        _decide(logits_ptr, row_m_ptr, row_x_ptr, drafts_ptr, q_ptr, u_ptr, n_out_ptr, tok_out_ptr, seqs, seqs < B,
-                V, k1, stride_b, stride_i, temperature, d_sb, d_si, q_sb, q_si, u_sb, u_si,
-                GREEDY, HAS_Q, KB, MATH)
-
-
-@_kernel
-def _residual_kernel(
-    logits_ptr, q_ptr, drafts_ptr, u_ptr, n_ptr, row_m_ptr, row_s_ptr, count_ptr,
-    tot_r_ptr, tot_p_ptr, last_r_ptr, last_p_ptr, tok_out_ptr,
-    V, B, k1, stride_b, stride_i, num_chunks, temperature, d_sb, d_si, q_sb, q_si, u_sb, u_si,
-    HAS_Q: tl.constexpr, ALIGNED: tl.constexpr, SEQS: tl.constexpr, CHUNK: tl.constexpr,
-    PARTIALS: tl.constexpr, BLOCK: tl.constexpr, KB: tl.constexpr, MATH: tl.constexpr,
-):
-    """Kernel 2 (sampling), grid ``(cdiv(B, SEQS), chunks)``: one slice of row n of ``SEQS``
-    sequences → float64 masses of ``r = max(0, p_n − q_n)`` and of ``p_n`` and their last
-    positive indices; the group's last program to finish draws the new tokens and writes the
-    tokens."""
-    group = tl.program_id(0).to(tl.int64)
-    b = group * SEQS + tl.arange(0, SEQS)
-    live = b < B
-    k1 = k1.to(tl.int64)
-    num_chunks = num_chunks.to(tl.int64)
-    n = tl.load(n_ptr + b, mask=live, other=0)
-    drafted = live & (n < k1 - 1)
-    d_n = tl.load(drafts_ptr + b * d_sb + n * d_si, mask=drafted, other=-1)
-    offset = b * stride_b + n * stride_i
-    q_offset = b * q_sb + n * q_si
-    if ALIGNED:
-        offset = tl.multiple_of(offset, 16)
-        q_offset = tl.multiple_of(q_offset, 16)
-    chunk = tl.program_id(1)
-    idx = (chunk * CHUNK + tl.arange(0, CHUNK))[None, :]
-    big_m = tl.load(row_m_ptr + b * k1 + n, mask=live, other=0.0)
-    big_s = tl.load(row_s_ptr + b * k1 + n, mask=live, other=1.0)
-    p, r = _row_n(logits_ptr + offset, q_ptr + q_offset, d_n, drafted, temperature, big_m, big_s,
-                  idx, tl.where(live, V, 0), HAS_Q, MATH)
-    out = b * num_chunks + chunk
-    tl.store(tot_r_ptr + out, tl.reduce(r.to(tl.float64), 1, _SUM), mask=live)
-    tl.store(tot_p_ptr + out, tl.reduce(p.to(tl.float64), 1, _SUM), mask=live)
-    tl.store(last_r_ptr + out, tl.reduce(tl.where(r > 0, idx, -1), 1, _MAX), mask=live)
-    tl.store(last_p_ptr + out, tl.reduce(tl.where(p > 0, idx, -1), 1, _MAX), mask=live)
-    if _last_to_arrive(count_ptr + group, num_chunks):
-        tl.store(count_ptr + group, 0)
-        _draw(logits_ptr, q_ptr, drafts_ptr, u_ptr, n_ptr, row_m_ptr, row_s_ptr,
-              tot_r_ptr, tot_p_ptr, last_r_ptr, last_p_ptr, tok_out_ptr, b, live,
-              V, k1, stride_b, stride_i, num_chunks, temperature, d_sb, d_si, q_sb, q_si, u_sb, u_si,
-              HAS_Q, PARTIALS, CHUNK, BLOCK, KB, MATH)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -498,20 +449,21 @@ def _next_power_of_2(x: int) -> int:
 def _tiles(vocab: int) -> dict[str, int]:
     """Tile sizes, a function of ``V`` only (so ``B`` and ``k`` never change a compilation).
 
-    A large vocabulary gets groups of one sequence and one row per program of kernel 1; a small
-    one packs sequences and rows so that a program still covers ~``TILE`` logits.
+    Large vocabularies get one row per program in kernels 1 and 4 and one sequence per program in
+    kernel 5; small ones pack rows/sequences so that a program still covers ~``TILE`` logits.
     """
     chunk = min(CHUNK_MAX, max(16, _next_power_of_2(vocab)))
     num_chunks = -(-vocab // chunk)
-    partials = min(PARTIAL_BLOCK, _next_power_of_2(num_chunks))
+    scan = min(chunk, SCAN_BLOCK)
     return {
         "chunk": chunk,
         "num_chunks": num_chunks,
-        "partials": partials,
-        "rows": max(1, TILE // chunk),  # rows per program of kernel 1
-        "seqs": max(1, TILE // chunk),  # sequences per group (kernels 1 and 2)
-        "fold": max(POSITION_BLOCK, min(1024, TILE // partials)),  # rows per step of a fold
-        "scan": min(chunk, SCAN_BLOCK),
+        "partials": min(PARTIAL_BLOCK, _next_power_of_2(num_chunks)),
+        "rows": max(1, TILE // chunk),
+        "fold_rows": max(32, min(1024, TILE // min(PARTIAL_BLOCK, _next_power_of_2(num_chunks)))),
+        "seqs": max(SEQ_TILE, min(TILE // chunk, 256)),
+        "scan": scan,
+        "draw_seqs": max(1, SCAN_BLOCK // scan),
     }
 
 
@@ -577,17 +529,22 @@ def verify_triton(
     u_strides = (u.stride(0), u.stride(1))
     row_m = torch.empty((rows,), dtype=torch.float32, device=device)
     row_x = torch.empty((rows,), dtype=torch.int32 if greedy else torch.float32, device=device)
-    counters = _counters(device, 2 * batch)  # kernel 1 uses the first B, kernel 2 the next B
-    shape_args = (vocab, batch, k1, stride_b, stride_i, num_chunks, temperature, *d_strides, *q_strides, *u_strides)
+    seqs, kb = tiles["seqs"], POSITION_BLOCK
 
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        seqs = tiles["seqs"]
-        _accept_kernel[(triton.cdiv(batch, seqs), triton.cdiv(seqs * k1, tiles["rows"]) * num_chunks)](
-            logits, part_m, part_x, row_m, row_x, counters, drafts, q, u, num_accepted, tokens, *shape_args,
-            GREEDY=greedy, HAS_Q=has_q, ALIGNED=aligned, SEQS=seqs, ROWS=tiles["rows"], CHUNK=chunk,
-            PARTIALS=tiles["partials"], FOLD=tiles["fold"], KB=POSITION_BLOCK, MATH=math_mode,
-            num_warps=CHUNK_WARPS,
+        _partials_kernel[(triton.cdiv(rows, tiles["rows"]), num_chunks)](
+            logits, part_m, part_x, vocab, rows, k1, stride_b, stride_i, num_chunks, temperature,
+            GREEDY=greedy, ALIGNED=aligned, ROWS=tiles["rows"], CHUNK=chunk, MATH=math_mode, num_warps=CHUNK_WARPS,
+        )
+        _rows_kernel[(triton.cdiv(rows, tiles["fold_rows"]),)](
+            part_m, part_x, row_m, row_x, rows, num_chunks,
+            GREEDY=greedy, ROWS=tiles["fold_rows"], PARTIALS=tiles["partials"], MATH=math_mode, num_warps=4,
+        )
+        _decide_kernel[(triton.cdiv(batch, seqs),)](
+            logits, row_m, row_x, drafts, q, u, num_accepted, tokens,
+            vocab, batch, k1, stride_b, stride_i, temperature, *d_strides, *q_strides, *u_strides,
+            GREEDY=greedy, HAS_Q=has_q, SEQS=seqs, KB=kb, MATH=math_mode, num_warps=SEQ_WARPS,
         )
         if greedy:
             return num_accepted, tokens
@@ -596,32 +553,20 @@ def verify_triton(
         tot_p = torch.empty((batch, num_chunks), dtype=torch.float64, device=device)
         last_r = torch.empty((batch, num_chunks), dtype=torch.int32, device=device)
         last_p = torch.empty((batch, num_chunks), dtype=torch.int32, device=device)
-        _residual_kernel[(triton.cdiv(batch, seqs), num_chunks)](
-            logits, q, drafts, u, num_accepted, row_m, row_x, counters[batch:], tot_r, tot_p, last_r, last_p,
-            tokens, *shape_args, HAS_Q=has_q, ALIGNED=aligned_q, SEQS=seqs, CHUNK=chunk, PARTIALS=tiles["partials"],
-            BLOCK=tiles["scan"], KB=POSITION_BLOCK, MATH=math_mode, num_warps=CHUNK_WARPS,
+        shape_args = (vocab, batch, k1, stride_b, stride_i, num_chunks, temperature, *d_strides, *q_strides)
+        _residual_kernel[(triton.cdiv(batch, tiles["rows"]), num_chunks)](
+            logits, q, drafts, num_accepted, row_m, row_x, tot_r, tot_p, last_r, last_p, *shape_args,
+            HAS_Q=has_q, ALIGNED=aligned_q, ROWS=tiles["rows"], CHUNK=chunk, MATH=math_mode, num_warps=CHUNK_WARPS,
+        )
+        _draw_kernel[(triton.cdiv(batch, tiles["draw_seqs"]),)](
+            logits, q, drafts, u, num_accepted, row_m, row_x, tot_r, tot_p, last_r, last_p, tokens,
+            *shape_args, *u_strides, HAS_Q=has_q, SEQS=tiles["draw_seqs"], PARTIALS=tiles["partials"], CHUNK=chunk,
+            BLOCK=tiles["scan"], KB=kb, MATH=math_mode, num_warps=DRAW_WARPS,
         )
     return num_accepted, tokens
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []  # replaced counters stay allocated: captured graphs may point at them
-
-
-def _counters(device: torch.device, size: int) -> torch.Tensor:
-    """At least ``size`` int32 arrival counters on ``device``, zero between calls (each group's
-    last program resets its own), so no call spends a kernel on zeroing them. Calls on one
-    device must therefore not overlap on different streams."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < size:
-        if counters is not None:
-            _OUTGROWN.append(counters)
-        counters = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
-
-
-_KERNELS = (_accept_kernel, _residual_kernel)
+_KERNELS = (_partials_kernel, _rows_kernel, _decide_kernel, _residual_kernel, _draw_kernel)
 
 
 def compiled_variants() -> int:
