@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Issue 3's H200 report in one run: the GPU tests (native Triton, the no-synchronisation loop),
+# then `flashspec bench gpu` (copy bandwidth, the verify-kernel grid, the real Qwen2.5-Coder pair
+# and the Llama-3-8B shape end to end: roofline, step anatomy, bf16 drift, float32 equality).
+#
+# Expects, on the GPU machine: /tmp/models/target.gguf and /tmp/models/draft.gguf (joined from
+# `split -b 55m` pieces, checked here), the gguf wheel in .whl/ and the corpus in
+# device_carry/corpus (both ignored by git; see BENCHMARKS.md "How the H200 runs were made").
+# Usage: bash benchmarks/gpu_h200.sh OUTDIR
+set -uo pipefail
+out=${1:?usage: gpu_h200.sh OUTDIR}
+mkdir -p "$out"
+source benchmarks/h200_prepare.sh
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_verify_triton.py 2>&1 | tail -4
+python3 -m flashspec.cli bench gpu --target /tmp/models/target.gguf --draft /tmp/models/draft.gguf \
+    --corpus device_carry/corpus --out "$out/gpu_h200"
+echo "gpu_h200.sh done"
