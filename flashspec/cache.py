@@ -152,8 +152,7 @@ class StaticLM:
             if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            self.keys[i].scatter_(2, slots, k)
-            self.values[i].scatter_(2, slots, v.view(batch, width, kv_heads, dim).transpose(1, 2))
+            write_kv(self.keys[i], self.values[i], k, v.view(batch, width, kv_heads, dim).transpose(1, 2), slots)
             if use_kernel:
                 out = _fast_attention().decode_attention_heads(q, self.keys[i], self.values[i], positions, attn.scaling)
                 out = out.view(batch, width, heads * dim)
@@ -167,6 +166,26 @@ class StaticLM:
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.model.lm_head(self.base.norm(x))
+
+
+@torch.library.custom_op("flashspec::write_kv", mutates_args=("keys", "values"))
+def write_kv(
+    keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write a forward's keys and values into the cache, in place, at ``slots [B, H_kv, q, D]``
+    (positions along axis 2).
+
+    An opaque op that declares what it mutates: written as a plain ``scatter_`` inside a
+    compiled forward, the cache (a graph input) is functionalised into a fresh copy of the whole
+    cache per layer, scattered and copied back — work that grows with the cache's capacity, not
+    with the context (probe 7). Declared this way, the compiled graph writes in place."""
+    keys.scatter_(2, slots, new_keys)
+    values.scatter_(2, slots, new_values)
+
+
+@write_kv.register_fake
+def _(keys, values, new_keys, new_values, slots) -> None:
+    return None
 
 
 def _fast_attention():
