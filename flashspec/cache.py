@@ -168,24 +168,29 @@ class StaticLM:
         return self.model.lm_head(self.base.norm(x))
 
 
-@torch.library.custom_op("flashspec::write_kv", mutates_args=("keys", "values"))
-def write_kv(
+def _write_kv(
     keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Write a forward's keys and values into the cache, in place, at ``slots [B, H_kv, q, D]``
-    (positions along axis 2).
-
-    An opaque op that declares what it mutates: written as a plain ``scatter_`` inside a
-    compiled forward, the cache (a graph input) is functionalised into a fresh copy of the whole
-    cache per layer, scattered and copied back — work that grows with the cache's capacity, not
-    with the context (probe 7). Declared this way, the compiled graph writes in place."""
     keys.scatter_(2, slots, new_keys)
     values.scatter_(2, slots, new_values)
 
 
-@write_kv.register_fake
-def _(keys, values, new_keys, new_values, slots) -> None:
-    return None
+def _register_write_kv():
+    """The op, registered once per process (even if this module is loaded twice)."""
+    if hasattr(torch.ops.flashspec, "write_kv"):
+        return torch.ops.flashspec.write_kv
+    op = torch.library.custom_op("flashspec::write_kv", _write_kv, mutates_args=("keys", "values"))
+    op.register_fake(lambda keys, values, new_keys, new_values, slots: None)
+    return op
+
+
+# write_kv(keys, values, new_keys, new_values, slots): write a forward's keys and values into the
+# cache, in place, at ``slots [B, H_kv, q, D]`` (positions along axis 2). An opaque op that
+# declares what it mutates: written as a plain ``scatter_`` inside a compiled forward, the cache
+# (a graph input) is functionalised into a fresh copy of the whole cache per layer, scattered and
+# copied back — work that grows with the cache's capacity, not with the context (probe 8).
+# Declared this way, the compiled graph writes in place.
+write_kv = _register_write_kv()
 
 
 def _fast_attention():
