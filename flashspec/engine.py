@@ -199,7 +199,7 @@ class SpeculativeEngine:
         self._graphs = Graphs(enabled=static_on_gpu)
         self._buffers: _Workspace | None = None
         # Queue the next step before a poll waits for its read-back, so that the device does not
-        # idle while the host reads the log and launches the next graphs (SPEC.md §5). On a CPU
+        # idle while the host reads the log and launches the next graphs (SPEC.md §7). On a CPU
         # nothing runs ahead, and a step queued after the last row finished would be wasted work.
         self.queue_ahead = self.device.type == "cuda"
 
@@ -431,20 +431,19 @@ class SpeculativeEngine:
             torch.cuda.synchronize(self.device)
         stats.prefill_seconds = time.perf_counter() - start
         forward_before = run.forward_seconds()
-        lookahead = self.queue_ahead
         with tqdm(total=run.budget, disable=not progress, desc="generating", unit="tok") as bar:
             # Every step commits at least one token per active row, so max_new_tokens - 1 steps
             # finish every row; the loop reads the device only every sync_every steps.
             for step in range(max_new_tokens - 1):
                 if step % sync_every == 0:
                     snapshot = run.snapshot()
-                    if lookahead:
+                    if self.queue_ahead:
                         run.step()  # harmless if every row has finished: it commits nothing
                     running = run.poll(snapshot)
                     bar.update(run.generated_total - bar.n)
                     if not running:
                         break
-                    if lookahead:
+                    if self.queue_ahead:
                         continue
                 run.step()
             run.poll()
