@@ -23,11 +23,16 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
 from .models import context_window
+from .rope_kv import rope_write_kv
 
 __all__ = ["CachedLM", "StaticLM", "make_lm"]
+
+# SDPA backends for StaticLM's masked attention on CUDA: every one but cuDNN (see StaticLM.forward).
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class StaticLM:
@@ -69,6 +74,9 @@ class StaticLM:
         # Decode forwards on CUDA use the flash-decoding Triton kernel (flashspec.attention);
         # prefills, CPUs and machines without Triton use PyTorch's SDPA.
         self.fast_attention = bool(fast_attention)
+        # With it, decode forwards also rotate queries and keys and write the cache in one kernel
+        # (flashspec.rope_kv) instead of three; False keeps the model's own rotation (probes).
+        self.fuse_rope = True
         self._compiled = None
         if compile:
             # One compilation per (model, token count, logits_at or not); dynamo counts them per
@@ -78,6 +86,7 @@ class StaticLM:
                 if hasattr(config, name):
                     setattr(config, name, max(getattr(config, name), 64))
             self._compiled = torch.compile(self._forward, dynamic=False)
+            self._compiled_inputs = torch.compile(self._inputs, dynamic=False)
 
     @classmethod
     def supports(cls, model: PreTrainedModel) -> bool:
@@ -121,19 +130,41 @@ class StaticLM:
         columns ``logits_at [B, m]``. ``real`` is accepted for interface parity and ignored:
         a padding token writes a stale entry that is overwritten before any query can see it."""
         started = time.perf_counter()
-        short = tokens.shape[1] <= self.COMPILED_WIDTHS
-        run = self._compiled if self._compiled is not None and short else self._forward
-        logits = run(tokens, start, logits_at)
+        compiled = self._compiled is not None and tokens.shape[1] <= self.COMPILED_WIDTHS
+        inputs = (self._compiled_inputs if compiled else self._inputs)(tokens, start)
+        if compiled:
+            logits = self._compiled(*inputs, logits_at)
+        elif tokens.is_cuda:
+            # Prefills (and uncompiled decodes) on CUDA: SDPA without the cuDNN backend, which
+            # plans each new query length afresh (≈ 50 ms per new prompt length on an H200,
+            # probe 9): every request's prompt length is usually new.
+            with sdpa_kernel(_SDPA_BACKENDS):
+                logits = self._forward(*inputs, logits_at)
+        else:
+            logits = self._forward(*inputs, logits_at)
         self.forward_seconds += time.perf_counter() - started
         return logits
 
-    def _forward(self, tokens: torch.Tensor, start: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor:
-        batch, width = tokens.shape
-        device = tokens.device
+    def _inputs(self, tokens: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Embeddings, positions ``[B, q]`` and rotary tables ``cos, sin [B, q, D]`` of a forward.
+        Compiled as a graph of its own, so its outputs are buffers every layer reads; inside the
+        layers' graph inductor recomputes such cheap values for each opaque op that reads them
+        (two small kernels per layer, probe 9)."""
+        width = tokens.shape[1]
+        positions = (start[:, None] + torch.arange(width, device=tokens.device)).clamp(max=self.capacity - 1)
+        x = self.base.embed_tokens(tokens)
+        cos, sin = self.base.rotary_emb(x, positions)
+        return x, positions, cos, sin
+
+    def _forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        logits_at: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch, width, _ = x.shape
+        device = x.device
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         groups = heads // kv_heads
-        positions = (start[:, None] + torch.arange(width, device=device)).clamp(max=self.capacity - 1)
-        use_kernel = self.fast_attention and tokens.is_cuda and width <= self.COMPILED_WIDTHS and _fast_attention()
+        use_kernel = self.fast_attention and x.is_cuda and width <= self.COMPILED_WIDTHS and _fast_attention()
         if not use_kernel:
             # Query heads h = kv * groups + g share key head kv: fold the groups into the query axis.
             query_positions = positions[:, None, :].expand(batch, groups, width).reshape(batch, 1, groups * width, 1)
@@ -141,8 +172,6 @@ class StaticLM:
         # Where this forward's keys and values go: [B, H_kv, q, D] indices along the position axis.
         slots = positions[:, None, :, None].expand(batch, kv_heads, width, dim)
 
-        x = self.base.embed_tokens(tokens)
-        cos, sin = self.base.rotary_emb(x, positions)
         for i, layer in enumerate(self.base.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = F.linear(layer.input_layernorm(x), *self.qkv[i])
@@ -151,8 +180,12 @@ class StaticLM:
             k = k.view(batch, width, kv_heads, dim)
             if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            write_kv(self.keys[i], self.values[i], k, v.view(batch, width, kv_heads, dim).transpose(1, 2), slots)
+            v = v.view(batch, width, kv_heads, dim)
+            if use_kernel and self.fuse_rope:  # rotation and cache write in one launch
+                q = rope_write_kv(q, k, v, cos, sin, positions, self.keys[i], self.values[i]).transpose(1, 2)
+            else:
+                q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+                write_kv(self.keys[i], self.values[i], k, v.transpose(1, 2), slots)
             if use_kernel:
                 out = _fast_attention().decode_attention_heads(q, self.keys[i], self.values[i], positions, attn.scaling)
                 out = out.view(batch, width, heads * dim)
