@@ -4,6 +4,7 @@ inductor's programmatic dependent launch (PDL), for the Qwen2.5-1.5B and Llama-3
 the 1.5B's forward cost at verify widths 5-16 (the n-gram drafter's γ); (3) time to first token:
 prefills of prompt lengths not seen before, with cuDNN's SDPA allowed and not.
 Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe9.py
+Table for BENCHMARKS.md:  PYTHONPATH=. python benchmarks/probes/probe9.py --report benchmarks/probes/probe9_h200.json
 Each measurement runs in its own process (PDL is an inductor setting read at compile time; the
 cuDNN plan cache lives per process)."""
 import json, os, statistics, subprocess, sys, time
@@ -123,8 +124,28 @@ def main() -> None:
     print("probe9 done", flush=True)
 
 
+def report(path: str) -> str:
+    """The forward table of BENCHMARKS.md from the raw JSON (fractions of the roofline use the
+    copy bandwidth of the 2026-12-01 `gpu_h200.sh` run, 4.19 TB/s: probe 9 did not measure it)."""
+    from flashspec import bench_gpu
+
+    data = json.load(open(path))
+    bandwidth = 4.19e12
+    lines = ["| shape | model's rotation + write_kv | rope_write_kv | + inductor PDL | roofline (forward) | fused, of roofline |",
+             "|---|---|---|---|---|---|"]
+    for shape in ("qwen2.5-1.5b", "llama3-8b"):
+        model = bench_gpu.shaped_model(shape, device="meta")
+        roofline = (bench_gpu.weight_bytes_per_token(model) + bench_gpu.kv_bytes_per_token(model, 384)) / bandwidth
+        t = [data[f"{shape}_fuse={f}_pdl={p}"]["forward_1_ms"] for f, p in ((0, 0), (1, 0), (1, 1))]
+        lines.append(f"| {shape} | {t[0]:.3f} ms | {t[1]:.3f} ms ({t[1] / t[0] - 1:+.1%}) | {t[2]:.3f} ms "
+                     f"({t[2] / t[1] - 1:+.1%}) | {roofline * 1e3:.3f} ms | {roofline * 1e3 / t[1]:.1%} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
+    if len(sys.argv) > 2 and sys.argv[1] == "--report":
+        print(report(sys.argv[2]))
+    elif len(sys.argv) > 1:
         spec = json.loads(sys.argv[1])
         if spec["part"] == "forward":
             result = forward_part(spec["shape"], spec["fuse"], spec["widths"], spec["profile"])
