@@ -168,3 +168,32 @@ def test_static_lm_decode_forwards_equal_the_unfused_rotation(arch, compile):
     for i in range(2):
         torch.testing.assert_close(fused.keys[i][:, :, :26], plain.keys[i][:, :, :26], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fused.values[i][:, :, :26], plain.values[i][:, :, :26], atol=1e-5, rtol=1e-5)
+
+
+def test_static_lm_imports_and_runs_without_triton():
+    """On a machine without Triton (macOS, Windows, a CPU install) the cache module, which
+    imports this kernel's module, still imports and StaticLM runs on PyTorch alone."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton' or name.startswith('triton.'): raise ImportError('no triton')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from flashspec import rope_kv\n"
+        "from flashspec.cache import StaticLM\n"
+        "assert rope_kv.triton is None and not rope_kv.available(torch.zeros(1))\n"
+        "config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+        "                     num_attention_heads=4, num_key_value_heads=2)\n"
+        "lm = StaticLM(LlamaForCausalLM(config).eval())\n"
+        "lm.reset(1, 64)\n"
+        "print(tuple(lm.forward(torch.tensor([[1, 2, 3]]), torch.zeros(1, dtype=torch.long)).shape))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "(1, 3, 64)"
