@@ -66,6 +66,11 @@ def rope_write_kv_reference(
 
 
 def _check(query, key, value, cos, sin, positions, keys, values) -> None:
+    if not available(query):
+        raise ValueError("rope_write_kv needs Triton and CUDA tensors (or TRITON_INTERPRET=1 on the CPU); "
+                         "install the gpu extra on Linux: pip install 'flashspec[gpu]'")
+    if query.dim() != 4:
+        raise ValueError(f"query {tuple(query.shape)} must be [B, q, H, D]")
     batch, width, heads, dim = query.shape
     kv_heads = key.shape[2]
     if key.shape != (batch, width, kv_heads, dim) or value.shape != key.shape:
@@ -80,6 +85,9 @@ def _check(query, key, value, cos, sin, positions, keys, values) -> None:
         raise ValueError(f"cache {tuple(keys.shape)} must be [B, H_kv, C, D] = [{batch}, {kv_heads}, C, {dim}]")
     if dim % 2:
         raise ValueError(f"rotary embedding needs an even head size, got {dim}")
+    if not (query.dtype == key.dtype == value.dtype == keys.dtype == values.dtype):
+        raise ValueError(f"query, key, value and the cache must share one dtype, got {query.dtype}, {key.dtype}, "
+                         f"{value.dtype}, {keys.dtype}, {values.dtype}")
     tensors = (query, key, value, cos, sin, keys, values)
     if any(t.stride(-1) != 1 for t in tensors):
         raise ValueError("every tensor needs a unit stride along its last axis")
@@ -134,6 +142,8 @@ def rope_write_kv(
     rotated keys and ``value [B, q, H_kv, D]`` into ``keys/values [B, H_kv, C, D]`` at
     ``positions [B, q]``, and return the rotated queries as a new contiguous ``[B, q, H, D]``
     tensor. Every input needs a unit stride along ``D`` (views of a fused projection are fine).
+    ``positions`` must lie in ``[0, C)``: it is not checked, because checking would read it back
+    to the host (StaticLM clamps its positions to the capacity).
 
     Under ``torch.compile`` it is the opaque custom op ``flashspec::rope_write_kv``, which
     declares that it mutates the cache (so the cache is written in place, SPEC §3)."""

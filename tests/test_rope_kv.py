@@ -121,6 +121,10 @@ def test_clear_errors():
         rope_write_kv(q, k, v, cos[..., :4], sin[..., :4], positions, keys, values)
     with pytest.raises(ValueError, match="cache"):
         rope_write_kv(q, k, v, cos, sin, positions, keys[:, :, :, :4], values[:, :, :, :4])
+    with pytest.raises(ValueError, match="one dtype"):
+        rope_write_kv(q, k, v, cos, sin, positions, keys.double(), values.double())
+    with pytest.raises(ValueError, match=r"\[B, q, H, D\]"):
+        rope_write_kv(q[0], k, v, cos, sin, positions, keys, values)
     odd = _problem(1, 1, 1, 1, 8, 4, torch.float32)
     with pytest.raises(ValueError, match="even head size"):
         rope_write_kv(*[t[..., :7] if t.dim() > 2 else t for t in odd])
@@ -187,6 +191,12 @@ def test_static_lm_imports_and_runs_without_triton():
         "from flashspec import rope_kv\n"
         "from flashspec.cache import StaticLM\n"
         "assert rope_kv.triton is None and not rope_kv.available(torch.zeros(1))\n"
+        "try:\n"
+        "    rope_kv.rope_write_kv(*[torch.zeros(1, 1, 1, 2)] * 3, torch.ones(1, 1, 2), torch.zeros(1, 1, 2),\n"
+        "                          torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))\n"
+        "    raise SystemExit('no error without Triton')\n"
+        "except ValueError as error:\n"
+        "    assert 'gpu extra' in str(error), error\n"
         "config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
         "                     num_attention_heads=4, num_key_value_heads=2)\n"
         "lm = StaticLM(LlamaForCausalLM(config).eval())\n"
