@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
+from .decode_linear import MAX_ROWS as _LINEAR_ROWS
+from .decode_linear import decode_linear
 from .models import context_window
 from .rope_kv import rope_write_kv
 
@@ -77,6 +79,10 @@ class StaticLM:
         # With it, decode forwards also rotate queries and keys and write the cache in one kernel
         # (flashspec.rope_kv) instead of three; False keeps the model's own rotation (probes).
         self.fuse_rope = True
+        # And run every linear map of a layer through flashspec.decode_linear, with the norms,
+        # SiLU·up and residual adds folded in (16-bit models whose norms and activation it
+        # reproduces, at most 16 token rows); False keeps cuBLAS and the model's modules.
+        self.fuse_linear = _linear_fusable(model)
         self._compiled = None
         if compile:
             # One compilation per (model, token count, logits_at or not); dynamo counts them per
@@ -156,6 +162,11 @@ class StaticLM:
         cos, sin = self.base.rotary_emb(x, positions)
         return x, positions, cos, sin
 
+    def _decode_kernels(self, x: torch.Tensor) -> bool:
+        """Whether this forward of ``x [B, q, hidden]`` runs on the Triton decode kernels
+        (attention, rotary + cache write, linear maps): CUDA with Triton, ``q ≤ 16``."""
+        return bool(self.fast_attention and x.is_cuda and x.shape[1] <= self.COMPILED_WIDTHS and _fast_attention())
+
     def _forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         logits_at: torch.Tensor | None,
@@ -164,7 +175,7 @@ class StaticLM:
         device = x.device
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         groups = heads // kv_heads
-        use_kernel = self.fast_attention and x.is_cuda and width <= self.COMPILED_WIDTHS and _fast_attention()
+        use_kernel = self._decode_kernels(x)
         if not use_kernel:
             # Query heads h = kv * groups + g share key head kv: fold the groups into the query axis.
             query_positions = positions[:, None, :].expand(batch, groups, width).reshape(batch, 1, groups * width, 1)
@@ -172,9 +183,17 @@ class StaticLM:
         # Where this forward's keys and values go: [B, H_kv, q, D] indices along the position axis.
         slots = positions[:, None, :, None].expand(batch, kv_heads, width, dim)
 
+        # (Not on tensor-parallel ranks: their output projections all-reduce, flashspec.parallel.)
+        fused = (use_kernel and self.fuse_linear and batch * width <= _LINEAR_ROWS
+                 and getattr(self.model, "_flashspec_tp", None) is None)
+
         for i, layer in enumerate(self.base.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = F.linear(layer.input_layernorm(x), *self.qkv[i])
+            if fused:
+                norm = layer.input_layernorm
+                qkv = decode_linear(x, *self.qkv[i], norm_weight=norm.weight, eps=norm.variance_epsilon)
+            else:
+                qkv = F.linear(layer.input_layernorm(x), *self.qkv[i])
             q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
             q = q.view(batch, width, heads, dim)
             k = k.view(batch, width, kv_heads, dim)
@@ -193,12 +212,41 @@ class StaticLM:
                 q = q.reshape(batch, kv_heads, groups * width, dim)
                 out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling)
                 out = out.reshape(batch, heads, width, dim).transpose(1, 2).reshape(batch, width, heads * dim)
-            x = x + attn.o_proj(out)
-            gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
-            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+            if fused:
+                x = decode_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=x)
+                norm = layer.post_attention_layernorm
+                h = decode_linear(x, *self.gate_up[i], norm_weight=norm.weight, eps=norm.variance_epsilon, gated=True)
+                x = decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x)
+            else:
+                x = x + attn.o_proj(out)
+                gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
+                x = x + mlp.down_proj(mlp.act_fn(gate) * up)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.model.lm_head(self.base.norm(x))
+
+
+def _linear_fusable(model: PreTrainedModel) -> bool:
+    """Whether :func:`flashspec.decode_linear.decode_linear` reproduces ``model``'s layers: 16-bit
+    weights, a SiLU-gated MLP, and RMSNorms that compute exactly its formula (checked by running
+    one on a random input, not by trusting the class name)."""
+    config = model.config
+    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+        return False
+    layer = model.model.layers[0]
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(isinstance(getattr(n, "weight", None), torch.Tensor) and hasattr(n, "variance_epsilon")
+               for n in norms):
+        return False
+    weight = norms[0].weight
+    if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 1 or weight.device.type == "meta":
+        return False
+    with torch.no_grad():
+        x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+        xf = x.float()
+        expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norms[0].variance_epsilon)).to(x.dtype)
+        expected = (weight.float() * expected.float()).to(x.dtype)
+        return torch.equal(norms[0](x), expected)
 
 
 def _write_kv(

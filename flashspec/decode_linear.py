@@ -1,0 +1,262 @@
+"""The linear maps of a decode forward, with the element-wise work around them fused in: one
+Triton kernel per matrix.
+
+A decode (or verify) forward of :class:`flashspec.cache.StaticLM` multiplies ``M = B·q ≤ 16``
+token rows by each weight matrix: a matrix–vector product whose cost is reading the weights.
+cuBLAS runs the small ones of a 1.5B model far below the copy bandwidth (Qwen2.5-1.5B on an
+H200, probe 9: the 4.7 MB output projection took 6.0 µs, 0.8 TB/s), and every element-wise step
+between them (two RMSNorms, SiLU·up, two residual adds) is a kernel of its own, ~1.5 µs each.
+Per layer :func:`decode_linear` replaces them with four launches:
+
+* ``qkv  = linear(rms_norm(x))``                    — ``norm_weight`` given
+* ``x    = x + linear(attention)``                  — ``residual`` given
+* ``h    = silu(gate) · up`` of ``linear(rms_norm(x))`` with ``[gate; up]`` stacked — ``gated``
+* ``x    = x + linear(h)``                          — ``residual`` given
+
+Arithmetic (SPEC §3)
+--------------------
+* RMSNorm exactly as transformers' Llama/Qwen/Mistral norms: ``r = rsqrt(mean(x²) + eps)`` in
+  float32, ``n = round(x·r)``, ``h = round(w·n)`` (``round`` = to the input's 16-bit dtype).
+* The product accumulates in float32 (tensor cores), bias added in float32, rounded once: what
+  cuBLAS's epilogue does, in another summation order.
+* ``silu(round(gate))·round(up)`` in float32, rounded once (inductor's fused SiLU·up); the residual
+  add in float32, rounded once.
+
+**Batch invariance.** Row ``m`` of the result is computed by the same instructions whatever
+``M`` is (the row tile is always 16 rows, padded; the configuration is chosen per ``(N, K)``,
+never per ``M``), so a token's outputs are bit-identical whether it is fed alone or with the
+``γ`` draft tokens of a verify forward. A 1-token forward and a ``γ+1``-token forward therefore
+agree on every linear map, which removes those maps as a cause of bf16 drift between speculative
+and target-only greedy decoding.
+
+Grid and traffic: ``(ceil(N / BLOCK_N), ceil(M / 16))`` programs; each reads its ``BLOCK_N``
+weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows from L2. Weights
+are read exactly once per call: ``N·K·b`` bytes (``2·N·K·b`` gated), the floor. No atomics, no
+split-K: results are deterministic. On CUDA the tile sizes are autotuned once per ``(N, K)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import _interpreted, triton
+
+__all__ = ["MAX_ROWS", "available", "decode_linear", "decode_linear_reference"]
+
+if triton is not None:
+    import triton.language as tl
+
+MAX_ROWS = 16  # token rows per call: one row tile; larger forwards belong to cuBLAS
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the kernel can run on ``x``'s device: CUDA with Triton, or the CPU under Triton's
+    interpreter (tests)."""
+    if triton is None:
+        return False
+    return x.is_cuda or (x.device.type == "cpu" and _interpreted())
+
+
+def decode_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    """What :func:`decode_linear` computes, in PyTorch (float32 accumulation, the roundings of
+    the module docstring)."""
+    dtype = x.dtype
+    h = x
+    if norm_weight is not None:
+        xf = x.float()
+        h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+        h = (norm_weight.float() * h.float()).to(dtype)
+    y = h.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(dtype)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
+    if residual is not None:
+        y = (residual.float() + y.float()).to(dtype)
+    return y
+
+
+def _check(x, weight, bias, norm_weight, residual, gated) -> None:
+    if not available(x):
+        raise ValueError("decode_linear needs Triton and CUDA tensors (or TRITON_INTERPRET=1 on the CPU); "
+                         "install the gpu extra on Linux: pip install 'flashspec[gpu]'")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"decode_linear runs 16-bit activations (bfloat16 or float16), got {x.dtype}")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} must be [..., K] for a weight [N, K], got weight {tuple(weight.shape)}")
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows > MAX_ROWS:
+        raise ValueError(f"decode_linear takes at most {MAX_ROWS} token rows per call, got {rows}; "
+                         "use torch.nn.functional.linear for larger forwards")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"gated needs [gate; up] stacked: an even number of weight rows, got {weight.shape[0]}")
+    out = weight.shape[0] // 2 if gated else weight.shape[0]
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
+    if norm_weight is not None and norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be [{x.shape[-1]}]")
+    if residual is not None and residual.shape != (*x.shape[:-1], out):
+        raise ValueError(f"residual {tuple(residual.shape)} must be {(*x.shape[:-1], out)}")
+    tensors = [t for t in (x, weight, bias, norm_weight, residual) if t is not None]
+    if any(t.dtype != x.dtype for t in tensors):
+        raise ValueError(f"every tensor must share x's dtype {x.dtype}, got {[t.dtype for t in tensors]}")
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("all tensors must be on one device")
+    if weight.stride(1) != 1:
+        raise ValueError("weight needs a unit stride along K (a row-major [N, K] matrix or rows of one)")
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    eps: float,
+    gated: bool,
+) -> torch.Tensor:
+    _check(x, weight, bias, norm_weight, residual, gated)
+    k = x.shape[-1]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    rows = x.reshape(-1, k).contiguous()
+    m = rows.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    res = residual.reshape(m, n).contiguous() if residual is not None else out
+    args = (rows, weight, bias if bias is not None else out, norm_weight if norm_weight is not None else rows,
+            res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+                 GATED=bool(gated), BLOCK_M=MAX_ROWS, UPCAST=not x.is_cuda)
+    if x.is_cuda:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), 1)  # noqa: E731
+        _tuned[grid](*args, **flags)
+    else:  # the interpreter: one fixed configuration (autotuning there would only cost time)
+        _decode_linear_kernel[(triton.cdiv(n, 16), 1)](*args, **flags, BLOCK_N=16, BLOCK_K=32)
+    return out.view(*x.shape[:-1], n)
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    """``y = x' @ weight.T + bias`` for ``x [..., K]`` with at most :data:`MAX_ROWS` rows, where
+    ``x' = rms_norm(x) · norm_weight`` if ``norm_weight [K]`` is given, else ``x``. With ``gated``
+    the weight is ``[gate; up]`` (``[2N, K]``) and the result ``silu(gate) · up`` (``[..., N]``);
+    with ``residual [..., N]`` the result is ``residual + y``. 16-bit tensors of one dtype; the
+    weight may be a row slice of a larger matrix (unit stride along ``K``).
+
+    Under ``torch.compile`` it is the opaque custom op ``flashspec::decode_linear``."""
+    return _OP(x, weight, bias, norm_weight, residual, float(eps), bool(gated))
+
+
+def _fake(x, weight, bias, norm_weight, residual, eps, gated):
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _register():
+    """The op, registered once per process (even if this module is loaded twice)."""
+    if hasattr(torch.ops.flashspec, "decode_linear"):
+        return torch.ops.flashspec.decode_linear
+    op = torch.library.custom_op("flashspec::decode_linear", _launch, mutates_args=())
+    op.register_fake(_fake)
+    return op
+
+
+_OP = _register()
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["M", "eps"])
+    def _decode_linear_kernel(
+        x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
+        M, N, K, eps, x_sm, w_sn,
+        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_live = rm < M
+        n_live = rn < N
+        dtype = y_ptr.dtype.element_ty
+        if NORM:  # pass 1 over the (L2-resident) input rows: their root mean squares
+            squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                xk = tl.load(x_ptr + rm[:, None] * x_sm + kk[None, :], mask=m_live[:, None] & (kk < K)[None, :],
+                             other=0.0).to(tl.float32)
+                squares += tl.sum(xk * xk, axis=1)
+            rstd = tl.rsqrt(squares / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_live = kk < K
+            h = tl.load(x_ptr + rm[:, None] * x_sm + kk[None, :], mask=m_live[:, None] & k_live[None, :], other=0.0)
+            if NORM:
+                h = (h.to(tl.float32) * rstd[:, None]).to(dtype)
+                g = tl.load(nw_ptr + kk, mask=k_live, other=0.0).to(tl.float32)
+                h = (g[None, :] * h.to(tl.float32)).to(dtype)
+            w_mask = n_live[:, None] & k_live[None, :]
+            w = tl.load(w_ptr + rn[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0)
+            if UPCAST:  # the interpreter multiplies the raw bits of bf16: exact float32 products instead
+                h = h.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+            if GATED:
+                u = tl.load(w_ptr + (rn + N)[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0)
+                if UPCAST:
+                    u = u.to(tl.float32)
+                acc_up = tl.dot(h, tl.trans(u), acc_up, input_precision="ieee")
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_live, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(b_ptr + N + rn, mask=n_live, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(dtype)
+        if GATED:
+            gate = y.to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate)) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        out_mask = m_live[:, None] & n_live[None, :]
+        if RESIDUAL:
+            r = tl.load(r_ptr + rm[:, None] * N + rn[None, :], mask=out_mask, other=0.0)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=out_mask)
+
+    def _configs() -> list:
+        configs = []
+        for block_n in (16, 32, 64):
+            for block_k in (128, 256, 512):
+                for stages in (3, 4):
+                    if block_n * block_k > 16384:
+                        continue
+                    configs.append(triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4,
+                                                 num_stages=stages))
+        return configs
+
+    def _prune(configs, named_args, **kwargs):
+        """Drop tiles wider than the matrix (only the narrowest one kept for small N)."""
+        n = named_args["N"]
+        kept = [c for c in configs if c.kwargs["BLOCK_N"] <= max(n, 16)]
+        return kept or configs[:1]
+
+    # One choice per (N, K, flags), never per M: batch invariance (module docstring).
+    _tuned = triton.autotune(configs=_configs(), key=["N", "K", "HAS_BIAS", "NORM", "RESIDUAL", "GATED"],
+                             prune_configs_by={"early_config_prune": _prune})(_decode_linear_kernel)
