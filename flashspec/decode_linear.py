@@ -47,6 +47,7 @@ if triton is not None:
     import triton.language as tl
 
 MAX_ROWS = 16  # token rows per call: one row tile; larger forwards belong to cuBLAS
+_TUNED_SIZE = 1 << 20  # weights of at least this many elements get their tiles autotuned on CUDA
 
 
 def available(x: torch.Tensor) -> bool:
@@ -138,11 +139,12 @@ def _launch(
             res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
                  GATED=bool(gated), BLOCK_M=MAX_ROWS, UPCAST=not x.is_cuda)
-    if x.is_cuda:
+    if x.is_cuda and n * k >= _TUNED_SIZE:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), 1)  # noqa: E731
         _tuned[grid](*args, **flags)
-    else:  # the interpreter: one fixed configuration (autotuning there would only cost time)
-        _decode_linear_kernel[(triton.cdiv(n, 16), 1)](*args, **flags, BLOCK_N=16, BLOCK_K=32)
+    else:  # small matrices (tests) and the interpreter: one fixed configuration
+        block_k = 256 if x.is_cuda else 32
+        _decode_linear_kernel[(triton.cdiv(n, 16), 1)](*args, **flags, BLOCK_N=16, BLOCK_K=block_k)
     return out.view(*x.shape[:-1], n)
 
 
@@ -243,7 +245,7 @@ if triton is not None:
     def _configs() -> list:
         configs = []
         for block_n in (16, 32, 64):
-            for block_k in (128, 256, 512):
+            for block_k in (256, 512):
                 for stages in (3, 4):
                     if block_n * block_k > 16384:
                         continue
