@@ -4,14 +4,21 @@ Triton kernel per matrix.
 A decode (or verify) forward of :class:`flashspec.cache.StaticLM` multiplies ``M = B·q ≤ 16``
 token rows by each weight matrix: a matrix–vector product whose cost is reading the weights.
 cuBLAS runs the small ones of a 1.5B model far below the copy bandwidth (Qwen2.5-1.5B on an
-H200, probe 9: the 4.7 MB output projection took 6.0 µs, 0.8 TB/s), and every element-wise step
-between them (two RMSNorms, SiLU·up, two residual adds) is a kernel of its own, ~1.5 µs each.
-Per layer :func:`decode_linear` replaces them with four launches:
+H200: the 4.7 MB output projection took 6.0 µs, 0.8 TB/s), and every element-wise step between
+them (two RMSNorms, SiLU·up, two residual adds) is a kernel of its own. :func:`decode_linear`
+computes any of
 
 * ``qkv  = linear(rms_norm(x))``                    — ``norm_weight`` given
 * ``x    = x + linear(attention)``                  — ``residual`` given
 * ``h    = silu(gate) · up`` of ``linear(rms_norm(x))`` with ``[gate; up]`` stacked — ``gated``
 * ``x    = x + linear(h)``                          — ``residual`` given
+
+in one launch. Measured on an H200 (probe 10, BENCHMARKS.md) it beats cuBLAS only on the output
+projection (1.5B shape: 4.3 against 6.5 µs; 8B: 8.4 against 10.0 µs), and loses on the large
+matrices (gate/up 23.0 against 17.1 µs at 1.5B): routing all four maps through it made whole
+forwards 7–11 % slower. So :class:`~flashspec.cache.StaticLM` uses it for the output projection
+and its residual add only; the norm and gated forms are kept, tested, for that measurement and
+for a faster kernel to come.
 
 Arithmetic (SPEC §3)
 --------------------
@@ -26,13 +33,15 @@ Arithmetic (SPEC §3)
 ``M`` is (the row tile is always 16 rows, padded; the configuration is chosen per ``(N, K)``,
 never per ``M``), so a token's outputs are bit-identical whether it is fed alone or with the
 ``γ`` draft tokens of a verify forward. A 1-token forward and a ``γ+1``-token forward therefore
-agree on every linear map, which removes those maps as a cause of bf16 drift between speculative
-and target-only greedy decoding.
+agree on every map this kernel computes, which removes those maps as a cause of bf16 drift
+between speculative and target-only greedy decoding (within one process: another process may
+autotune another configuration).
 
 Grid and traffic: ``(ceil(N / BLOCK_N), ceil(M / 16))`` programs; each reads its ``BLOCK_N``
 weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows from L2. Weights
 are read exactly once per call: ``N·K·b`` bytes (``2·N·K·b`` gated), the floor. No atomics, no
-split-K: results are deterministic. On CUDA the tile sizes are autotuned once per ``(N, K)``.
+split-K: results are deterministic. On CUDA the tile sizes of matrices of at least 2²⁰ elements
+are autotuned once per ``(N, K)`` and options; smaller ones (tests) take one fixed tile.
 """
 
 from __future__ import annotations
