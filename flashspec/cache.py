@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,10 +80,11 @@ class StaticLM:
         # With it, decode forwards also rotate queries and keys and write the cache in one kernel
         # (flashspec.rope_kv) instead of three; False keeps the model's own rotation (probes).
         self.fuse_rope = True
-        # And the attention output projection plus the residual add through one
-        # flashspec.decode_linear kernel (16-bit models, at most 16 token rows): faster than
-        # cuBLAS for that matrix, slower for the others (probe 10). False keeps cuBLAS.
-        self.fuse_output_projection = _linear_fusable(model)
+        # And which linear maps of a decode forward run through flashspec.decode_linear, each
+        # with the element-wise work around it folded in (16-bit models, ≤ 16 token rows; see
+        # decode_maps). Only the output projection beats cuBLAS so far (probe 10).
+        self._norms_fusable = _norms_fusable(model)
+        self.decode_maps = frozenset({"o"}) if _sixteen_bit(model) else frozenset()
         self._compiled = None
         if compile:
             # One compilation per (model, token count, logits_at or not); dynamo counts them per
@@ -93,6 +95,29 @@ class StaticLM:
                     setattr(config, name, max(getattr(config, name), 64))
             self._compiled = torch.compile(self._forward, dynamic=False)
             self._compiled_inputs = torch.compile(self._inputs, dynamic=False)
+
+    DECODE_MAPS = ("qkv", "o", "gate_up", "down")
+
+    @property
+    def decode_maps(self) -> frozenset[str]:
+        """The linear maps that decode forwards run through :func:`flashspec.decode_linear.decode_linear`:
+        ``"qkv"`` (with the input RMSNorm), ``"o"`` (with the residual add), ``"gate_up"`` (with
+        the RMSNorm and SiLU·up), ``"down"`` (with the residual add). The rest use cuBLAS and
+        the model's modules. Default ``{"o"}`` for 16-bit models, nothing for float32 ones."""
+        return self._decode_maps
+
+    @decode_maps.setter
+    def decode_maps(self, maps: Any) -> None:
+        maps = frozenset(maps)
+        unknown = maps - set(self.DECODE_MAPS)
+        if unknown:
+            raise ValueError(f"decode_maps can hold {', '.join(self.DECODE_MAPS)}; got {sorted(unknown)}")
+        if maps and not _sixteen_bit(self.model):
+            raise ValueError("decode_maps needs a bfloat16 or float16 model; this one keeps cuBLAS")
+        if maps & {"qkv", "gate_up"} and not self._norms_fusable:
+            raise ValueError("decode_maps 'qkv' and 'gate_up' fold in the model's RMSNorm (and SiLU·up), but this "
+                             "model's norm or activation is not the one decode_linear computes")
+        self._decode_maps = maps
 
     @classmethod
     def supports(cls, model: PreTrainedModel) -> bool:
@@ -183,13 +208,18 @@ class StaticLM:
         # Where this forward's keys and values go: [B, H_kv, q, D] indices along the position axis.
         slots = positions[:, None, :, None].expand(batch, kv_heads, width, dim)
 
-        # (Not on tensor-parallel ranks: their output projections all-reduce, flashspec.parallel.)
-        fused = (use_kernel and self.fuse_output_projection and batch * width <= _LINEAR_ROWS
-                 and getattr(self.model, "_flashspec_tp", None) is None)
+        # (Not on tensor-parallel ranks: their o/down projections all-reduce, flashspec.parallel.)
+        fused = frozenset()
+        if use_kernel and batch * width <= _LINEAR_ROWS and getattr(self.model, "_flashspec_tp", None) is None:
+            fused = self.decode_maps
 
         for i, layer in enumerate(self.base.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = F.linear(layer.input_layernorm(x), *self.qkv[i])
+            if "qkv" in fused:
+                norm = layer.input_layernorm
+                qkv = decode_linear(x, *self.qkv[i], norm_weight=norm.weight, eps=norm.variance_epsilon)
+            else:
+                qkv = F.linear(layer.input_layernorm(x), *self.qkv[i])
             q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
             q = q.view(batch, width, heads, dim)
             k = k.view(batch, width, kv_heads, dim)
@@ -208,22 +238,53 @@ class StaticLM:
                 q = q.reshape(batch, kv_heads, groups * width, dim)
                 out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling)
                 out = out.reshape(batch, heads, width, dim).transpose(1, 2).reshape(batch, width, heads * dim)
-            if fused:
+            if "o" in fused:
                 x = decode_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=x)
             else:
                 x = x + attn.o_proj(out)
-            gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
-            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+            if "gate_up" in fused:
+                norm = layer.post_attention_layernorm
+                h = decode_linear(x, *self.gate_up[i], norm_weight=norm.weight, eps=norm.variance_epsilon, gated=True)
+            else:
+                gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
+                h = mlp.act_fn(gate) * up
+            if "down" in fused:
+                x = decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x)
+            else:
+                x = x + mlp.down_proj(h)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.model.lm_head(self.base.norm(x))
 
 
-def _linear_fusable(model: PreTrainedModel) -> bool:
-    """Whether the output projection can run through :func:`flashspec.decode_linear.decode_linear`:
-    16-bit weights (float32 models keep cuBLAS and their exact equality with ``generate()``)."""
+def _sixteen_bit(model: PreTrainedModel) -> bool:
+    """Whether ``model`` computes in bfloat16 or float16 (float32 models keep cuBLAS, and with it
+    their token-for-token equality with ``generate()``)."""
     weight = model.model.layers[0].self_attn.o_proj.weight
     return weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type != "meta"
+
+
+def _norms_fusable(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s layers use a SiLU-gated MLP and RMSNorms that compute exactly the
+    formula :func:`flashspec.decode_linear.decode_linear` folds in (checked by running one on a
+    random input, not by trusting the class name)."""
+    if getattr(model.config, "hidden_act", None) not in ("silu", "swish") or not _sixteen_bit(model):
+        return False
+    layer = model.model.layers[0]
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(isinstance(getattr(n, "weight", None), torch.Tensor) and hasattr(n, "variance_epsilon")
+               and n.weight.dim() == 1 for n in norms):
+        return False
+    with torch.no_grad():
+        for norm in norms:
+            weight = norm.weight
+            x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0))
+            x = x.to(weight.device, weight.dtype)
+            xf = x.float()
+            expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(x.dtype)
+            if not torch.equal(norm(x), (weight.float() * expected.float()).to(x.dtype)):
+                return False
+    return True
 
 
 def _write_kv(

@@ -13,12 +13,18 @@ computes any of
 * ``h    = silu(gate) · up`` of ``linear(rms_norm(x))`` with ``[gate; up]`` stacked — ``gated``
 * ``x    = x + linear(h)``                          — ``residual`` given
 
-in one launch. Measured on an H200 (probe 10, BENCHMARKS.md) it beats cuBLAS only on the output
-projection (1.5B shape: 4.3 against 6.5 µs; 8B: 8.4 against 10.0 µs), and loses on the large
-matrices (gate/up 23.0 against 17.1 µs at 1.5B): routing all four maps through it made whole
-forwards 7–11 % slower. So :class:`~flashspec.cache.StaticLM` uses it for the output projection
-and its residual add only; the norm and gated forms are kept, tested, for that measurement and
-for a faster kernel to come.
+in one launch. :class:`~flashspec.cache.StaticLM` chooses which maps go through it
+(``StaticLM.decode_maps``, default the output projection only).
+
+Two inner products, chosen per matrix by the autotuner on CUDA:
+
+* **tensor cores** — the rows as one 16-row tile (padded), ``tl.dot`` per block of ``K``; 16 to
+  64 weight rows per program. Measured on an H200 (probe 10, BENCHMARKS.md) it beats cuBLAS only
+  on the output projection (1.5B shape: 4.3 against 6.5 µs; 8B: 8.4 against 10.0 µs) and loses
+  on the large matrices (gate/up 23.0 against 17.1 µs at 1.5B): too few bytes in flight;
+* **CUDA cores** — each weight block loaded once, converted to float32 and multiplied into each
+  row in turn; 4 to 16 weight rows per program, so even a 1,536-row matrix spreads over a few
+  hundred programs. Added after probe 10 and not yet measured (probe 11 is written for it).
 
 Arithmetic (SPEC §3)
 --------------------
@@ -30,15 +36,14 @@ Arithmetic (SPEC §3)
   add in float32, rounded once.
 
 **Batch invariance.** Row ``m`` of the result is computed by the same instructions whatever
-``M`` is (the row tile is always 16 rows, padded; the configuration is chosen per ``(N, K)``,
-never per ``M``), so a token's outputs are bit-identical whether it is fed alone or with the
+``M`` is (the tensor-core tile is always 16 rows, padded; the CUDA-core loop runs the same code
+for each row; the configuration is chosen per ``(N, K)``, never per ``M``), so a token's outputs are bit-identical whether it is fed alone or with the
 ``γ`` draft tokens of a verify forward. A 1-token forward and a ``γ+1``-token forward therefore
 agree on every map this kernel computes, which removes those maps as a cause of bf16 drift
 between speculative and target-only greedy decoding (within one process: another process may
 autotune another configuration).
 
-Grid and traffic: ``(ceil(N / BLOCK_N), ceil(M / 16))`` programs; each reads its ``BLOCK_N``
-weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows from L2. Weights
+Grid and traffic: ``ceil(N / BLOCK_N)`` programs; each reads its ``BLOCK_N`` weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows from L2. Weights
 are read exactly once per call: ``N·K·b`` bytes (``2·N·K·b`` gated), the floor. No atomics, no
 split-K: results are deterministic. On CUDA the tile sizes of matrices of at least 2²⁰ elements
 are autotuned once per ``(N, K)`` and options; smaller ones (tests) take one fixed tile.
@@ -48,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import _interpreted, triton
+from .attention import _interpreted, _next_pow2, triton
 
 __all__ = ["MAX_ROWS", "available", "decode_linear", "decode_linear_reference"]
 
@@ -57,6 +62,8 @@ if triton is not None:
 
 MAX_ROWS = 16  # token rows per call: one row tile; larger forwards belong to cuBLAS
 _TUNED_SIZE = 1 << 20  # weights of at least this many elements get their tiles autotuned on CUDA
+# The configuration of smaller matrices and of the interpreter (tests switch USE_DOT to cover both).
+_FIXED = {"USE_DOT": False, "BLOCK_N": 4, "BLOCK_K": 32}
 
 
 def available(x: torch.Tensor) -> bool:
@@ -147,13 +154,13 @@ def _launch(
     args = (rows, weight, bias if bias is not None else out, norm_weight if norm_weight is not None else rows,
             res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-                 GATED=bool(gated), BLOCK_M=MAX_ROWS, UPCAST=not x.is_cuda)
+                 GATED=bool(gated), ROWS=_next_pow2(m), UPCAST=not x.is_cuda)
     if x.is_cuda and n * k >= _TUNED_SIZE:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), 1)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _tuned[grid](*args, **flags)
     else:  # small matrices (tests) and the interpreter: one fixed configuration
-        block_k = 256 if x.is_cuda else 32
-        _decode_linear_kernel[(triton.cdiv(n, 16), 1)](*args, **flags, BLOCK_N=16, BLOCK_K=block_k)
+        config = dict(_FIXED, BLOCK_K=256 if x.is_cuda else _FIXED["BLOCK_K"])
+        _decode_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
     return out.view(*x.shape[:-1], n)
 
 
@@ -195,29 +202,16 @@ _OP = _register()
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["M", "eps"])
-    def _decode_linear_kernel(
-        x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
-        M, N, K, eps, x_sm, w_sn,
-        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    ):
-        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    @triton.jit
+    def _dot_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, x_sm, w_sn,
+                  NORM: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+        """Tensor-core variant: the rows as one 16-row tile (padded), ``tl.dot`` per K block."""
         rk = tl.arange(0, BLOCK_K)
         m_live = rm < M
         n_live = rn < N
-        dtype = y_ptr.dtype.element_ty
-        if NORM:  # pass 1 over the (L2-resident) input rows: their root mean squares
-            squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + rk
-                xk = tl.load(x_ptr + rm[:, None] * x_sm + kk[None, :], mask=m_live[:, None] & (kk < K)[None, :],
-                             other=0.0).to(tl.float32)
-                squares += tl.sum(xk * xk, axis=1)
-            rstd = tl.rsqrt(squares / K + eps)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_live = kk < K
@@ -237,6 +231,73 @@ if triton is not None:
                 if UPCAST:
                     u = u.to(tl.float32)
                 acc_up = tl.dot(h, tl.trans(u), acc_up, input_precision="ieee")
+        return acc, acc_up
+
+    @triton.jit
+    def _fma_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, x_sm, w_sn,
+                  NORM: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+        """CUDA-core variant: each weight block is loaded once and multiplied into each row in
+        turn (float32 products and sums); any ``BLOCK_N``, no padding rows."""
+        rk = tl.arange(0, BLOCK_K)
+        n_live = rn < N
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_live = kk < K
+            w_mask = n_live[:, None] & k_live[None, :]
+            w = tl.load(w_ptr + rn[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            if GATED:
+                u = tl.load(w_ptr + (rn + N)[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            if NORM:
+                g = tl.load(nw_ptr + kk, mask=k_live, other=0.0).to(tl.float32)
+            for m in tl.static_range(ROWS):
+                h = tl.load(x_ptr + m * x_sm + kk, mask=k_live & (tl.full([BLOCK_K], m, tl.int32) < M), other=0.0)
+                if NORM:
+                    r = tl.sum(tl.where(rm == m, rstd, 0.0), axis=0)
+                    h = (h.to(tl.float32) * r).to(dtype)
+                    h = (g * h.to(tl.float32)).to(dtype)
+                hf = h.to(tl.float32)
+                pick = (rm == m)[:, None]
+                acc = tl.where(pick, acc + tl.sum(w * hf[None, :], axis=1)[None, :], acc)
+                if GATED:
+                    acc_up = tl.where(pick, acc_up + tl.sum(u * hf[None, :], axis=1)[None, :], acc_up)
+        return acc, acc_up
+
+    @triton.jit(do_not_specialize=["M", "eps"])
+    def _decode_linear_kernel(
+        x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
+        M, N, K, eps, x_sm, w_sn,
+        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+        ROWS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Program ``i``: output columns ``i·BLOCK_N ..`` of every row (``M ≤ ROWS ≤ 16``)."""
+        if USE_DOT:
+            rm = tl.arange(0, 16)
+        else:
+            rm = tl.arange(0, ROWS)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_live = rm < M
+        n_live = rn < N
+        dtype = y_ptr.dtype.element_ty
+        rstd = tl.zeros(rm.shape, dtype=tl.float32)
+        if NORM:  # pass 1 over the (L2-resident) input rows: their root mean squares
+            rk = tl.arange(0, BLOCK_K)
+            squares = tl.zeros(rm.shape, dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                xk = tl.load(x_ptr + rm[:, None] * x_sm + kk[None, :], mask=m_live[:, None] & (kk < K)[None, :],
+                             other=0.0).to(tl.float32)
+                squares += tl.sum(xk * xk, axis=1)
+            rstd = tl.rsqrt(squares / K + eps)
+        if USE_DOT:
+            acc, acc_up = _dot_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, x_sm, w_sn,
+                                    NORM, GATED, UPCAST, BLOCK_N, BLOCK_K, dtype)
+        else:
+            acc, acc_up = _fma_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, x_sm, w_sn,
+                                    NORM, GATED, ROWS, BLOCK_N, BLOCK_K, dtype)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_live, other=0.0).to(tl.float32)[None, :]
             if GATED:
@@ -252,14 +313,17 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=out_mask)
 
     def _configs() -> list:
+        """Tensor-core tiles (16 padded rows) and CUDA-core tiles (any number of weight rows per
+        program, so small matrices still spread over every SM); the autotuner keeps the faster."""
         configs = []
-        for block_n in (16, 32, 64):
-            for block_k in (256, 512):
-                for stages in (3, 4):
-                    if block_n * block_k > 16384:
-                        continue
-                    configs.append(triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4,
-                                                 num_stages=stages))
+        for block_n, block_k in ((16, 256), (16, 512), (32, 256), (32, 512), (64, 256)):
+            configs.append(triton.Config({"USE_DOT": True, "BLOCK_N": block_n, "BLOCK_K": block_k},
+                                         num_warps=4, num_stages=3))
+        for block_n in (4, 8, 16):
+            for block_k in (512, 1024):
+                for warps in (4, 8):
+                    configs.append(triton.Config({"USE_DOT": False, "BLOCK_N": block_n, "BLOCK_K": block_k},
+                                                 num_warps=warps, num_stages=1))
         return configs
 
     def _prune(configs, named_args, **kwargs):

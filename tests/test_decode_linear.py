@@ -35,16 +35,35 @@ def _problem(rows, n, k, dtype, norm, bias, residual, gated, seed=0):
                 residual=move(r), gated=gated)
 
 
-def _assert_close(out, ref):
+def _assert_close(out, ref, problem=None):
     """Same arithmetic up to the float32 summation order; each 16-bit rounding can then differ by
     one unit in the last place, and Triton's interpreter (CPU tests) truncates float32 -> bf16
-    instead of rounding, so allow a few units of the result's scale."""
+    instead of rounding. Those units are of the intermediate values (the product before the
+    residual add, the residual, the gate and up halves), which cancellation can make larger than
+    the result: the tolerance is a few units of the largest of them."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     ulp = 2 ** -7 if out.dtype == torch.bfloat16 else 2 ** -10
     scale = ref.float().abs().amax().clamp(min=1.0)
-    torch.testing.assert_close(out.float(), ref.float(), atol=4 * ulp * scale, rtol=4 * ulp)
+    if problem is not None:
+        linear = decode_linear_reference(problem["x"], problem["weight"], problem["bias"], problem["norm_weight"],
+                                         problem["eps"])
+        scale = torch.maximum(scale, linear.float().abs().amax())
+        if problem["residual"] is not None:
+            scale = torch.maximum(scale, problem["residual"].float().abs().amax())
+    torch.testing.assert_close(out.float(), ref.float(), atol=(4 * ulp * scale).item(), rtol=4 * ulp)
     if CUDA or out.dtype == torch.float16:  # rounding to nearest: nearly every element is equal
         assert (out != ref).float().mean() < 0.1
+
+
+@pytest.fixture(params=[False, True], ids=["cuda-cores", "tensor-cores"])
+def variant(request, monkeypatch):
+    """Both inner products of the kernel (the autotuner picks one per matrix on CUDA; here the
+    fixed configuration is switched)."""
+    import flashspec.decode_linear as module
+
+    monkeypatch.setitem(module._FIXED, "USE_DOT", request.param)
+    monkeypatch.setitem(module._FIXED, "BLOCK_N", 16 if request.param else 4)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -52,12 +71,12 @@ def _assert_close(out, ref):
     (False, False, False, False), (True, True, False, False), (False, False, True, False),
     (True, False, False, True), (True, True, True, True), (False, True, True, False),
 ])
-def test_matches_reference(dtype, norm, bias, residual, gated):
+def test_matches_reference(dtype, norm, bias, residual, gated, variant):
     problem = _problem(5, 40, 72, dtype, norm, bias, residual, gated)
-    _assert_close(decode_linear(**problem), decode_linear_reference(**problem))
+    _assert_close(decode_linear(**problem), decode_linear_reference(**problem), problem)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 70), k=st.integers(1, 90),
        flags=st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()),
        seed=st.integers(0, 2 ** 16))
@@ -65,14 +84,14 @@ def test_every_shape(rows, n, k, flags, seed):
     """Rows 1..16, N and K from 1 (not multiples of the tiles), every combination of options."""
     norm, bias, residual, gated = flags
     problem = _problem(rows, n, k, torch.bfloat16, norm, bias, residual, gated, seed)
-    _assert_close(decode_linear(**problem), decode_linear_reference(**problem))
+    _assert_close(decode_linear(**problem), decode_linear_reference(**problem), problem)
 
 
 @pytest.mark.parametrize("gated", [False, True])
-def test_batch_invariance(gated):
+def test_batch_invariance(gated, variant):
     """A row's result is bit-identical whatever rows it is computed with: fed alone, with 4 or
     with 15 others (a 1-token forward and a verify forward agree on every linear map)."""
-    problem = _problem(MAX_ROWS, 48, 200, torch.bfloat16, True, True, True, gated)
+    problem = _problem(MAX_ROWS, 24, 100, torch.bfloat16, True, True, True, gated)
     full = decode_linear(**problem)
     for rows in (1, 5, MAX_ROWS - 1):
         part = dict(problem, x=problem["x"][:rows], residual=problem["residual"][:rows])
@@ -135,11 +154,11 @@ def _tiny(dtype, arch="qwen2"):
     return model.to(DEVICE, dtype).eval()
 
 
-def _decode_logits(model, fuse_linear, width):
+def _decode_logits(model, maps, width):
     from flashspec.cache import StaticLM
 
     lm = StaticLM(model)
-    lm.fuse_output_projection = fuse_linear
+    lm.decode_maps = maps
     if not CUDA:  # run the decode kernels through the interpreter
         lm._decode_kernels = lambda x: x.shape[1] <= StaticLM.COMPILED_WIDTHS
     lm.reset(2, 64)
@@ -149,21 +168,52 @@ def _decode_logits(model, fuse_linear, width):
     return lm.forward(tokens, torch.tensor([20, 17], device=DEVICE))
 
 
+@pytest.mark.parametrize("maps", [{"o"}, {"qkv", "o", "gate_up", "down"}], ids=["o", "all"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])  # q/k/v bias; MLP bias
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_static_lm_fused_matches_unfused(arch, dtype):
-    model = _tiny(dtype, arch)
+def test_static_lm_fused_matches_unfused(arch, dtype, maps):
     from flashspec.cache import StaticLM
 
-    assert StaticLM(model).fuse_output_projection  # on by default for 16-bit models
-    plain, fused = _decode_logits(model, False, 3), _decode_logits(model, True, 3)
+    model = _tiny(dtype, arch)
+    assert StaticLM(model).decode_maps == {"o"}  # the default for 16-bit models
+    plain, fused = _decode_logits(model, set(), 3), _decode_logits(model, maps, 3)
     tolerance = 2 ** -5 if dtype == torch.bfloat16 else 2 ** -8
     torch.testing.assert_close(fused.float(), plain.float(), atol=tolerance, rtol=tolerance)
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.8
 
 
-def test_static_lm_float32_keeps_cublas():
-    """float32 models keep cuBLAS (and their token-for-token equality with generate())."""
+def test_static_lm_decode_maps_are_checked():
+    """float32 models keep cuBLAS; maps that fold in a norm need the norm decode_linear computes;
+    unknown names are refused — each with a ValueError that says why."""
     from flashspec.cache import StaticLM
 
-    assert not StaticLM(_tiny(torch.float32)).fuse_output_projection
+    lm = StaticLM(_tiny(torch.float32))
+    assert lm.decode_maps == frozenset()
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        lm.decode_maps = {"o"}
+    lm = StaticLM(_tiny(torch.bfloat16))
+    with pytest.raises(ValueError, match="can hold"):
+        lm.decode_maps = {"o_proj"}
+    lm.decode_maps = {"qkv", "gate_up"}  # Qwen2's own RMSNorm and SiLU: accepted
+
+    class OffsetNorm(torch.nn.Module):  # Gemma's RMSNorm scales by 1 + weight
+        def __init__(self, norm):
+            super().__init__()
+            self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+
+        def forward(self, x):
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+                    * (1 + self.weight.float())).to(x.dtype)
+
+    model = _tiny(torch.bfloat16)
+    layer = model.model.layers[0]
+    layer.post_attention_layernorm = OffsetNorm(layer.post_attention_layernorm)
+    lm = StaticLM(model)
+    lm.decode_maps = {"o", "down"}  # no norm folded in: fine
+    with pytest.raises(ValueError, match="norm or activation"):
+        lm.decode_maps = {"gate_up"}
+    model = _tiny(torch.bfloat16)
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="norm or activation"):
+        StaticLM(model).decode_maps = {"qkv"}

@@ -10,7 +10,7 @@ Table for BENCHMARKS.md:  PYTHONPATH=. python benchmarks/probes/probe10.py --rep
 Each forward measurement runs in its own process.
 The recorded run (probe10_h200.json) is of commit a51f0c1, where StaticLM's ``fuse_linear`` sent
 all four maps of a layer through the kernel; since then only the output projection goes through
-it (``fuse_output_projection``), so re-running part (3) measures that instead."""
+it (``decode_maps = {"o"}``), so re-running part (3) measures that instead."""
 import json, os, statistics, subprocess, sys, time
 
 import torch
@@ -85,8 +85,8 @@ def forward_part(shape: str, fuse: bool, widths: list[int], profile: bool) -> di
 
     model = bench_gpu.shaped_model(shape)
     lm = StaticLM(model, compile=True)
-    out = {"fusable": lm.fuse_output_projection}
-    lm.fuse_output_projection = fuse
+    out = {"fusable": "o" in lm.decode_maps}
+    lm.decode_maps = {"o"} if fuse else set()
     started = time.time()
     for width in widths:
         out[f"forward_{width}_ms"] = bench_gpu.time_forward(lm, 1, width, 384) * 1e3
@@ -117,7 +117,7 @@ def invariance_part() -> dict:
     out = {}
     for fuse in (False, True):
         lm = StaticLM(model)
-        lm.fuse_output_projection = fuse
+        lm.decode_maps = {"o"} if fuse else set()
         lm.reset(1, 768)
         gen = torch.Generator().manual_seed(0)
         lm.forward(torch.randint(0, 1000, (1, 300), generator=gen).cuda(), torch.zeros(1, dtype=torch.long, device="cuda"))
