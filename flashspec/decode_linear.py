@@ -22,9 +22,11 @@ Two inner products, chosen per matrix by the autotuner on CUDA:
   64 weight rows per program. Measured on an H200 (probe 10, BENCHMARKS.md) it beats cuBLAS only
   on the output projection (1.5B shape: 4.3 against 6.5 µs; 8B: 8.4 against 10.0 µs) and loses
   on the large matrices (gate/up 23.0 against 17.1 µs at 1.5B): too few bytes in flight;
-* **CUDA cores** — each weight block loaded once, converted to float32 and multiplied into each
-  row in turn; 4 to 16 weight rows per program, so even a 1,536-row matrix spreads over a few
-  hundred programs. Added after probe 10 and not yet measured (probe 11 is written for it).
+* **CUDA cores** — one row after another: float32 products of ``BLOCK_N × BLOCK_K`` blocks
+  summed element-wise over ``K`` and reduced once per row (the rows after the first re-read the
+  program's weight rows from L1/L2, not HBM); 2 to 16 weight rows per program, so even a
+  1,536-row matrix spreads over hundreds of programs. Added after probe 10 and not yet measured
+  (probe 11 is written for it).
 
 Arithmetic (SPEC §3)
 --------------------
@@ -37,7 +39,7 @@ Arithmetic (SPEC §3)
 
 **Batch invariance.** Row ``m`` of the result is computed by the same instructions whatever
 ``M`` is (the tensor-core tile is always 16 rows, padded; the CUDA-core loop runs the same code
-for each row; the configuration is chosen per ``(N, K)``, never per ``M``), so a token's outputs are bit-identical whether it is fed alone or with the
+for each row, alone; the configuration is chosen per ``(N, K)``, never per ``M``), so a token's outputs are bit-identical whether it is fed alone or with the
 ``γ`` draft tokens of a verify forward. A 1-token forward and a ``γ+1``-token forward therefore
 agree on every map this kernel computes, which removes those maps as a cause of bf16 drift
 between speculative and target-only greedy decoding (within one process: another process may
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import _interpreted, _next_pow2, triton
+from .attention import _interpreted, triton
 
 __all__ = ["MAX_ROWS", "available", "decode_linear", "decode_linear_reference"]
 
@@ -154,7 +156,7 @@ def _launch(
     args = (rows, weight, bias if bias is not None else out, norm_weight if norm_weight is not None else rows,
             res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-                 GATED=bool(gated), ROWS=_next_pow2(m), UPCAST=not x.is_cuda)
+                 GATED=bool(gated), UPCAST=not x.is_cuda)
     if x.is_cuda and n * k >= _TUNED_SIZE:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _tuned[grid](*args, **flags)
@@ -234,70 +236,21 @@ if triton is not None:
         return acc, acc_up
 
     @triton.jit
-    def _fma_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, x_sm, w_sn,
-                  NORM: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-        """CUDA-core variant: each weight block is loaded once and multiplied into each row in
-        turn (float32 products and sums); any ``BLOCK_N``, no padding rows."""
+    def _rms(x_ptr, rm, m_live, K, x_sm, eps, BLOCK_K: tl.constexpr):
+        """``rsqrt(mean(x²) + eps)`` of the rows ``rm`` (float32), one pass over them (L2-resident)."""
         rk = tl.arange(0, BLOCK_K)
-        n_live = rn < N
-        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        squares = tl.zeros(rm.shape, dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
-            k_live = kk < K
-            w_mask = n_live[:, None] & k_live[None, :]
-            w = tl.load(w_ptr + rn[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            if GATED:
-                u = tl.load(w_ptr + (rn + N)[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            if NORM:
-                g = tl.load(nw_ptr + kk, mask=k_live, other=0.0).to(tl.float32)
-            for m in tl.static_range(ROWS):
-                h = tl.load(x_ptr + m * x_sm + kk, mask=k_live & (tl.full([BLOCK_K], m, tl.int32) < M), other=0.0)
-                if NORM:
-                    r = tl.sum(tl.where(rm == m, rstd, 0.0), axis=0)
-                    h = (h.to(tl.float32) * r).to(dtype)
-                    h = (g * h.to(tl.float32)).to(dtype)
-                hf = h.to(tl.float32)
-                pick = (rm == m)[:, None]
-                acc = tl.where(pick, acc + tl.sum(w * hf[None, :], axis=1)[None, :], acc)
-                if GATED:
-                    acc_up = tl.where(pick, acc_up + tl.sum(u * hf[None, :], axis=1)[None, :], acc_up)
-        return acc, acc_up
+            xk = tl.load(x_ptr + rm[:, None] * x_sm + kk[None, :], mask=m_live[:, None] & (kk < K)[None, :],
+                         other=0.0).to(tl.float32)
+            squares += tl.sum(xk * xk, axis=1)
+        return tl.rsqrt(squares / K + eps)
 
-    @triton.jit(do_not_specialize=["M", "eps"])
-    def _decode_linear_kernel(
-        x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
-        M, N, K, eps, x_sm, w_sn,
-        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-        ROWS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        UPCAST: tl.constexpr,
-    ):
-        """Program ``i``: output columns ``i·BLOCK_N ..`` of every row (``M ≤ ROWS ≤ 16``)."""
-        if USE_DOT:
-            rm = tl.arange(0, 16)
-        else:
-            rm = tl.arange(0, ROWS)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_live = rm < M
-        n_live = rn < N
-        dtype = y_ptr.dtype.element_ty
-        rstd = tl.zeros(rm.shape, dtype=tl.float32)
-        if NORM:  # pass 1 over the (L2-resident) input rows: their root mean squares
-            rk = tl.arange(0, BLOCK_K)
-            squares = tl.zeros(rm.shape, dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + rk
-                xk = tl.load(x_ptr + rm[:, None] * x_sm + kk[None, :], mask=m_live[:, None] & (kk < K)[None, :],
-                             other=0.0).to(tl.float32)
-                squares += tl.sum(xk * xk, axis=1)
-            rstd = tl.rsqrt(squares / K + eps)
-        if USE_DOT:
-            acc, acc_up = _dot_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, x_sm, w_sn,
-                                    NORM, GATED, UPCAST, BLOCK_N, BLOCK_K, dtype)
-        else:
-            acc, acc_up = _fma_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, x_sm, w_sn,
-                                    NORM, GATED, ROWS, BLOCK_N, BLOCK_K, dtype)
+    @triton.jit
+    def _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rm, rn, m_live, n_live, N,
+                HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, dtype: tl.constexpr):
+        """The epilogue of rows ``rm`` (``acc [R, BLOCK_N]`` float32): bias, SiLU·up, residual, store."""
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_live, other=0.0).to(tl.float32)[None, :]
             if GATED:
@@ -312,6 +265,56 @@ if triton is not None:
             y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=out_mask)
 
+    @triton.jit(do_not_specialize=["M", "eps"])
+    def _decode_linear_kernel(
+        x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
+        M, N, K, eps, x_sm, w_sn,
+        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+        USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """Program ``i``: output columns ``i·BLOCK_N ..`` of every row (``M ≤ 16``)."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_live = rn < N
+        dtype = y_ptr.dtype.element_ty
+        if USE_DOT:  # all rows at once: one 16-row tile
+            rm = tl.arange(0, 16)
+            m_live = rm < M
+            rstd = tl.zeros([16], dtype=tl.float32)
+            if NORM:
+                rstd = _rms(x_ptr, rm, m_live, K, x_sm, eps, BLOCK_K)
+            acc, acc_up = _dot_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, x_sm, w_sn,
+                                    NORM, GATED, UPCAST, BLOCK_N, BLOCK_K, dtype)
+            _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rm, rn, m_live, n_live, N, HAS_BIAS, RESIDUAL, GATED, dtype)
+        else:  # one row after another: float32 products summed element-wise, one reduction per row
+            rk = tl.arange(0, BLOCK_K)
+            m = 0
+            while m < M:  # (a while loop: the interpreter cannot range() to a runtime bound)
+                rm = m + tl.zeros([1], dtype=tl.int32)
+                m_live = rm < M
+                if NORM:
+                    rstd = _rms(x_ptr, rm, m_live, K, x_sm, eps, BLOCK_K)
+                sums = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                sums_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    kk = k0 + rk
+                    k_live = kk < K
+                    h = tl.load(x_ptr + m * x_sm + kk, mask=k_live, other=0.0)
+                    if NORM:
+                        h = (h.to(tl.float32) * tl.sum(rstd, axis=0)).to(dtype)
+                        g = tl.load(nw_ptr + kk, mask=k_live, other=0.0).to(tl.float32)
+                        h = (g * h.to(tl.float32)).to(dtype)
+                    hf = h.to(tl.float32)[None, :]
+                    w_mask = n_live[:, None] & k_live[None, :]
+                    w = tl.load(w_ptr + rn[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0)
+                    sums += w.to(tl.float32) * hf
+                    if GATED:
+                        u = tl.load(w_ptr + (rn + N)[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0)
+                        sums_up += u.to(tl.float32) * hf
+                acc = tl.sum(sums, axis=1)[None, :]
+                acc_up = tl.sum(sums_up, axis=1)[None, :]
+                _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rm, rn, m_live, n_live, N, HAS_BIAS, RESIDUAL, GATED, dtype)
+                m += 1
+
     def _configs() -> list:
         """Tensor-core tiles (16 padded rows) and CUDA-core tiles (any number of weight rows per
         program, so small matrices still spread over every SM); the autotuner keeps the faster."""
@@ -319,11 +322,10 @@ if triton is not None:
         for block_n, block_k in ((16, 256), (16, 512), (32, 256), (32, 512), (64, 256)):
             configs.append(triton.Config({"USE_DOT": True, "BLOCK_N": block_n, "BLOCK_K": block_k},
                                          num_warps=4, num_stages=3))
-        for block_n in (4, 8, 16):
-            for block_k in (512, 1024):
-                for warps in (4, 8):
-                    configs.append(triton.Config({"USE_DOT": False, "BLOCK_N": block_n, "BLOCK_K": block_k},
-                                                 num_warps=warps, num_stages=1))
+        for block_n, block_k in ((2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (16, 256)):
+            for warps in (4, 8):
+                configs.append(triton.Config({"USE_DOT": False, "BLOCK_N": block_n, "BLOCK_K": block_k},
+                                             num_warps=warps, num_stages=1))
         return configs
 
     def _prune(configs, named_args, **kwargs):

@@ -15,6 +15,9 @@ import json, os, statistics, subprocess, sys, time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import probe9  # noqa: E402
+
 OUT = os.environ.get("OUT", "/tmp")
 RESULT = f"{OUT}/probe10_h200.json"
 SHAPES = ("qwen2.5-1.5b", "llama3-8b")
@@ -39,7 +42,7 @@ def _graph_time(fn, iters=100, inner=20) -> float:
     return statistics.median(times)
 
 
-def kernels_part() -> dict:
+def kernels_part(row_counts=(1, 5, 16)) -> dict:
     import torch.nn.functional as F
 
     from flashspec import bench_gpu
@@ -62,7 +65,7 @@ def kernels_part() -> dict:
             weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
             b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if opts.get("bias") else None
             g = torch.ones(k, device="cuda", dtype=torch.bfloat16) if opts.get("norm") else None
-            for rows in (1, 5, 16):
+            for rows in row_counts:
                 x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
                 out_n = n // 2 if opts.get("gated") else n
                 r = torch.randn(rows, out_n, device="cuda", dtype=torch.bfloat16) if opts.get("residual") else None
@@ -77,47 +80,26 @@ def kernels_part() -> dict:
 
 
 def forward_part(shape: str, fuse: bool, widths: list[int], profile: bool) -> dict:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
     from flashspec import bench_gpu
     from flashspec.cache import StaticLM
-    from flashspec.graphs import Graphs
 
-    model = bench_gpu.shaped_model(shape)
-    lm = StaticLM(model, compile=True)
+    lm = StaticLM(bench_gpu.shaped_model(shape), compile=True)
     out = {"fusable": "o" in lm.decode_maps}
     lm.decode_maps = {"o"} if fuse else set()
-    started = time.time()
-    for width in widths:
-        out[f"forward_{width}_ms"] = bench_gpu.time_forward(lm, 1, width, 384) * 1e3
-    out["warm_s"] = time.time() - started
-    if profile:
-        lm.reset(1, 768)
-        tok = torch.randint(0, 1000, (1, 1), device="cuda")
-        start = torch.full((1,), 384, device="cuda")
-        g = Graphs(enabled=True)
-        for _ in range(3):
-            g.run("f", lambda: lm.forward(tok, start))
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                g.run("f", lambda: lm.forward(tok, start))
-            torch.cuda.synchronize()
-        out["profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30,
-                                                   max_name_column_width=90)
-    return out
+    return {**out, **probe9.measure(lm, widths, profile)}
 
 
-def invariance_part() -> dict:
-    """Logits of 5 tokens fed in one forward vs one forward per token (eager, 1.5B shape)."""
+def invariance_part(variants=None) -> dict:
+    """Logits of 5 tokens fed in one forward vs one forward per token (eager, 1.5B shape), for
+    each ``name: decode_maps`` of ``variants``."""
     from flashspec import bench_gpu
     from flashspec.cache import StaticLM
 
     model = bench_gpu.shaped_model("qwen2.5-1.5b")
     out = {}
-    for fuse in (False, True):
+    for name, maps in (variants or {"fuse=0": set(), "fuse=1": {"o"}}).items():
         lm = StaticLM(model)
-        lm.decode_maps = {"o"} if fuse else set()
+        lm.decode_maps = maps
         lm.reset(1, 768)
         gen = torch.Generator().manual_seed(0)
         lm.forward(torch.randint(0, 1000, (1, 300), generator=gen).cuda(), torch.zeros(1, dtype=torch.long, device="cuda"))
@@ -125,14 +107,15 @@ def invariance_part() -> dict:
         wide = lm.forward(tokens, torch.full((1,), 300, device="cuda"))[0].float()
         single = torch.cat([lm.forward(tokens[:, j:j + 1], torch.full((1,), 300 + j, device="cuda"))[0]
                             for j in range(5)]).float()
-        out[f"fuse={int(fuse)}"] = {"rows_bit_equal": int((wide == single).all(-1).sum()),
+        out[name] = {"rows_bit_equal": int((wide == single).all(-1).sum()),
                                     "max_abs_diff": float((wide - single).abs().max()),
                                     "argmax_equal": int((wide.argmax(-1) == single.argmax(-1)).sum())}
     return out
 
 
-def child(spec: dict, env: dict | None = None) -> dict:
-    cmd = [sys.executable, __file__, json.dumps(spec)]
+def child(spec: dict, env: dict | None = None, script: str = __file__) -> dict:
+    """Run one part of ``script`` in a process of its own; its last line of output is JSON."""
+    cmd = [sys.executable, script, json.dumps(spec)]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if done.returncode:
         return {"error": done.stderr[-3000:]}
@@ -184,15 +167,20 @@ def report(path: str) -> str:
             b = data[f"{shape}_linear=1"][f"forward_{width}_ms"]
             lines.append(f"| {shape} | {width} | {a:.3f} ms | {b:.3f} ms | {b / a - 1:+.1%} | "
                          f"{roofline * 1e3:.3f} ms | {roofline * 1e3 / b:.1%} |")
-    lines += ["", "| shape | map | rows | cuBLAS F.linear alone | decode_linear (fused) | TB/s fused |",
-              "|---|---|---|---|---|---|"]
-    for key, value in data["kernels"].items():
+    return "\n".join(lines + [""] + kernel_table(data["kernels"]))
+
+
+def kernel_table(kernels: dict) -> list[str]:
+    """The per-map table (cuBLAS against decode_linear) of a kernels part's results."""
+    lines = ["| shape | map | rows | cuBLAS F.linear alone | decode_linear (fused) | TB/s fused |",
+             "|---|---|---|---|---|---|"]
+    for key, value in kernels.items():
         if key == "configs":
             continue
         shape, name, rows = key.split("|")
         lines.append(f"| {shape} | {name} | {rows} | {value['cublas_linear_us']:.1f} µs | {value['fused_us']:.1f} µs "
                      f"| {value['fused_TBps']:.2f} |")
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

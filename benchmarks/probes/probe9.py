@@ -7,7 +7,7 @@ Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe9.py
 Table for BENCHMARKS.md:  PYTHONPATH=. python benchmarks/probes/probe9.py --report benchmarks/probes/probe9_h200.json
 Each measurement runs in its own process (PDL is an inductor setting read at compile time; the
 cuDNN plan cache lives per process)."""
-import json, os, statistics, subprocess, sys, time
+import json, os, subprocess, sys, time
 
 import torch
 
@@ -16,15 +16,22 @@ RESULT = f"{OUT}/probe9_h200.json"
 
 
 def forward_part(shape: str, fuse: bool, widths: list[int], profile: bool) -> dict:
+    from flashspec import bench_gpu
+    from flashspec.cache import StaticLM
+
+    lm = StaticLM(bench_gpu.shaped_model(shape), compile=True)
+    lm.fuse_rope = fuse
+    return measure(lm, widths, profile)
+
+
+def measure(lm, widths: list[int], profile: bool) -> dict:
+    """Graph-replayed forward times at each width after 384 tokens, the warm-up's seconds, and
+    (``profile``) a kernel table of five 1-token forwards. Probe 10 uses it too."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from flashspec import bench_gpu
-    from flashspec.cache import StaticLM
     from flashspec.graphs import Graphs
 
-    model = bench_gpu.shaped_model(shape)
-    lm = StaticLM(model, compile=True)
-    lm.fuse_rope = fuse
     out = {}
     started = time.time()
     for width in widths:
