@@ -17,7 +17,6 @@ shapes (``--shaped llama3-8b``): a forward's time does not depend on the weights
 from __future__ import annotations
 
 import json
-import math
 import platform
 import statistics
 import time
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from .bench import DOMAINS, heldout_prompts
 from .cache import StaticLM
@@ -207,6 +205,8 @@ def bench_pair(
         fwd["drafter_1"] = time_forward(lm_draft, 1, 1, context_int)
         fwd["drafter_2"] = time_forward(lm_draft, 1, 2, context_int)
     result["forward_seconds"] = fwd
+    if isinstance(lm_target, StaticLM):
+        result["forward_by_decode_maps"] = forward_by_decode_maps(lm_target, (1, gamma + 1), context_int)
     greedy = [r for r in rows if r["temperature"] == 0]
     if greedy:
         base_step = statistics.mean(r["target_only"]["step_seconds"] for r in greedy)
@@ -220,6 +220,48 @@ def bench_pair(
     if hf_baseline:
         result["hf_generate_eager_tokens_per_second"] = _hf_generate_rate(target, warm, 64)
     return result
+
+
+DECODE_MAP_SETS = {"none": (), "o": ("o",), "o+down": ("o", "down"), "all": ("qkv", "o", "gate_up", "down")}
+
+
+def forward_by_decode_maps(lm: StaticLM, widths: tuple[int, ...], context: int, rounds: int = 2) -> dict:
+    """The decode forward's graph-replay time with each set of maps sent through
+    :func:`flashspec.decode_linear.decode_linear` (:data:`DECODE_MAP_SETS`), side by side in this
+    process, ``rounds`` times over so drift between variants shows. Sets the model refuses (a
+    float32 model; a norm decode_linear does not reproduce) are left out. The default is put back."""
+    default = lm.decode_maps
+    out: dict[str, dict[str, list[float]]] = {}
+    try:
+        for _ in range(rounds):
+            for label, maps in DECODE_MAP_SETS.items():
+                try:
+                    lm.decode_maps = maps
+                except ValueError:
+                    continue
+                times = out.setdefault(label, {})
+                for width in widths:
+                    times.setdefault(str(width), []).append(time_forward(lm, 1, width, context))
+    finally:
+        lm.decode_maps = default
+    return {"default": sorted(default), "seconds": out}
+
+
+def _decode_maps_lines(by_maps: dict) -> list[str]:
+    """Markdown: forward time per map set and width, each round, and the change against none."""
+    seconds = by_maps["seconds"]
+    if "none" not in seconds:
+        return []
+    widths = list(seconds["none"])
+    lines = [f"Decode forward by the maps sent through `decode_linear` (graph replay, ms, each round; "
+             f"default {{{', '.join(by_maps['default'])}}}):", "",
+             "| maps | " + " | ".join(f"width {w}" for w in widths) + " | change vs none (last round) |",
+             "|---|" + "---|" * len(widths) + "---|"]
+    for label, times in seconds.items():
+        cells = [" / ".join(f"{t * 1e3:.3f}" for t in times[w]) for w in widths]
+        change = ", ".join(f"{times[w][-1] / seconds['none'][w][-1] - 1:+.1%}" for w in widths)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {change} |")
+    return lines + [""]
 
 
 def float32_equality(target_spec: Any, drafter_spec: Any, prompts: list[list[int]], max_new_tokens: int,
@@ -345,6 +387,8 @@ def summarize(results: dict[str, Any]) -> str:
         fwd = pair.get("forward_seconds", {})
         lines.append("")
         lines.append("Forward alone (graph replay): " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in fwd.items()) + ".")
+        if "forward_by_decode_maps" in pair:
+            lines += [""] + _decode_maps_lines(pair["forward_by_decode_maps"])
         if "target_only_overhead" in pair:
             lines.append(f"Target-only step outside the forward: {pair['target_only_overhead']:.1%}.")
         if "speculative_overhead" in pair:

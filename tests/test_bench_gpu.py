@@ -1,0 +1,51 @@
+"""`flashspec bench gpu`'s side-by-side forward timing per set of decode_linear maps: every set the
+model accepts is timed in every round, refused sets are left out, the default comes back, and
+the report says so. (The timings themselves need a GPU; here the timer is a stand-in that
+records which maps were active.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flashspec import bench_gpu
+from flashspec.cache import StaticLM
+
+
+def _lm(dtype: torch.dtype) -> StaticLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return StaticLM(LlamaForCausalLM(config).to(dtype).eval())
+
+
+@pytest.fixture
+def timer(monkeypatch):
+    calls = []
+
+    def fake(lm, batch, width, context):
+        calls.append((frozenset(lm.decode_maps), width))
+        return 1e-3 * (1 + len(lm.decode_maps)) + 1e-5 * width
+
+    monkeypatch.setattr(bench_gpu, "time_forward", fake)
+    return calls
+
+
+def test_every_accepted_set_every_round(timer):
+    lm = _lm(torch.bfloat16)
+    result = bench_gpu.forward_by_decode_maps(lm, (1, 5), context=10, rounds=2)
+    assert list(result["seconds"]) == list(bench_gpu.DECODE_MAP_SETS)
+    assert all(len(times) == 2 for widths in result["seconds"].values() for times in widths.values())
+    assert len(timer) == 2 * len(bench_gpu.DECODE_MAP_SETS) * 2
+    assert {maps for maps, _ in timer} == {frozenset(m) for m in bench_gpu.DECODE_MAP_SETS.values()}
+    assert lm.decode_maps == {"o"} and result["default"] == ["o"]
+    table = "\n".join(bench_gpu._decode_maps_lines(result))
+    assert "| all | 5.010 / 5.010 | 5.050 / 5.050 | +396.0%, +381.0% |" in table
+
+
+def test_refused_sets_are_left_out(timer):
+    lm = _lm(torch.float32)  # float32 keeps cuBLAS: only "none" can be timed
+    result = bench_gpu.forward_by_decode_maps(lm, (1,), context=10, rounds=1)
+    assert list(result["seconds"]) == ["none"]
+    assert lm.decode_maps == frozenset()
