@@ -320,8 +320,9 @@ if triton is not None:
         program, so small matrices still spread over every SM); the autotuner keeps the faster."""
         configs = []
         for block_n, block_k in ((16, 256), (16, 512), (32, 256), (32, 512), (64, 256)):
-            configs.append(triton.Config({"USE_DOT": True, "BLOCK_N": block_n, "BLOCK_K": block_k},
-                                         num_warps=4, num_stages=3))
+            for warps in (4, 8):  # (8 warps halve the registers per thread: probes/registers.py)
+                configs.append(triton.Config({"USE_DOT": True, "BLOCK_N": block_n, "BLOCK_K": block_k},
+                                             num_warps=warps, num_stages=3))
         for block_n, block_k in ((2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (16, 256)):
             for warps in (4, 8):
                 configs.append(triton.Config({"USE_DOT": False, "BLOCK_N": block_n, "BLOCK_K": block_k},
