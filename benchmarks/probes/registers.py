@@ -14,6 +14,9 @@ import flashspec.decode_linear as dl
 
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "nw_ptr": "*bf16", "r_ptr": "*bf16",
              "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "eps": "fp32", "x_sm": "i32", "w_sn": "i32"}
+# What a real launch on these models' matrices sees: 16-byte-aligned pointers, and N, K and the
+# row strides multiples of 16 (M and eps are never specialised).
+DIVISIBLE_BY_16 = ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "r_ptr", "y_ptr", "N", "K", "x_sm", "w_sn")
 FORMS = {  # the three forms StaticLM can use
     "residual (o, down)": dict(HAS_BIAS=False, NORM=False, RESIDUAL=True, GATED=False),
     "norm + bias (qkv)": dict(HAS_BIAS=True, NORM=True, RESIDUAL=False, GATED=False),
@@ -21,12 +24,16 @@ FORMS = {  # the three forms StaticLM can use
 }
 
 
-def usage(config, flags) -> tuple[int, int]:
-    """(registers per thread, bytes of spill stores) of one configuration and form on sm_90a."""
+def usage(config, flags) -> tuple[int, int, str]:
+    """(registers per thread, bytes of spill stores, how weights are loaded: ``cp.async`` into
+    shared memory, or the widest vector of direct global loads) of one configuration and form on
+    sm_90a."""
     constexprs = dict(flags, **config.kwargs, UPCAST=False)
     signature = dict(SIGNATURE, **{name: "constexpr" for name in constexprs})
-    compiled = triton.compile(ASTSource(fn=dl._decode_linear_kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32),
+    names = list(signature)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE_BY_16}
+    source = ASTSource(fn=dl._decode_linear_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": config.num_warps, "num_stages": config.num_stages})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     with tempfile.TemporaryDirectory() as folder:
@@ -34,7 +41,13 @@ def usage(config, flags) -> tuple[int, int]:
         open(ptx, "w").write(compiled.asm["ptx"])
         log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(folder, "kernel.cubin")],
                              capture_output=True, text=True, check=True).stderr
-    return int(re.findall(r"Used (\d+) registers", log)[-1]), int(re.findall(r"(\d+) bytes spill stores", log)[-1])
+    ptx = compiled.asm["ptx"]
+    if "cp.async" in ptx:  # weights staged through shared memory (tensor-core tiles, num_stages > 1)
+        widest = "cp.async"
+    else:
+        widest = max(set(re.findall(r"ld\.global(?:\.\w+)*\.(v\d)\.", ptx)), default="scalar")
+    return (int(re.findall(r"Used (\d+) registers", log)[-1]), int(re.findall(r"(\d+) bytes spill stores", log)[-1]),
+            widest)
 
 
 def main() -> None:
@@ -44,8 +57,8 @@ def main() -> None:
     for config in dl._configs():
         cells = []
         for flags in FORMS.values():
-            registers, spills = usage(config, flags)
-            cells.append(f"{registers} regs" + (f", **{spills} B spilled**" if spills else ""))
+            registers, spills, widest = usage(config, flags)
+            cells.append(f"{registers} regs, loads {widest}" + (f", **{spills} B spilled**" if spills else ""))
         kind = "tensor cores" if config.kwargs["USE_DOT"] else "CUDA cores"
         print(f"| {kind} | {config.kwargs['BLOCK_N']} | {config.kwargs['BLOCK_K']} | {config.num_warps} | "
               + " | ".join(cells) + " |", flush=True)
