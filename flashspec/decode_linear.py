@@ -153,6 +153,9 @@ def _launch(
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     res = residual.reshape(m, n).contiguous() if residual is not None else out
+    # The kernel reads bias and norm weights with unit stride: strided views are copied first.
+    bias = bias.contiguous() if bias is not None else None
+    norm_weight = norm_weight.contiguous() if norm_weight is not None else None
     args = (rows, weight, bias if bias is not None else out, norm_weight if norm_weight is not None else rows,
             res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,

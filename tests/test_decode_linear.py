@@ -109,6 +109,17 @@ def test_leading_axes_and_weight_slices():
     _assert_close(out.view(6, 32), decode_linear_reference(**problem))
 
 
+def test_strided_bias_norm_and_residual():
+    """Bias, norm weights and residual that are strided views give the same result as copies."""
+    problem = _problem(3, 16, 40, torch.bfloat16, True, True, True, False)
+    strided = dict(problem,
+                   bias=torch.stack([problem["bias"], -problem["bias"]], dim=1)[:, 0],
+                   norm_weight=torch.stack([problem["norm_weight"], 2 * problem["norm_weight"]], dim=1)[:, 0],
+                   residual=torch.cat([problem["residual"], 5 * problem["residual"]], dim=1)[:, :16])
+    assert strided["bias"].stride(0) == 2 and strided["norm_weight"].stride(0) == 2
+    assert torch.equal(decode_linear(**strided), decode_linear(**problem))
+
+
 def test_no_rows():
     problem = _problem(1, 8, 16, torch.bfloat16, False, False, False, False)
     assert decode_linear(problem["x"][:0], problem["weight"]).shape == (0, 8)
