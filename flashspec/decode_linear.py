@@ -65,7 +65,7 @@ if triton is not None:
 MAX_ROWS = 16  # token rows per call: one row tile; larger forwards belong to cuBLAS
 _TUNED_SIZE = 1 << 20  # weights of at least this many elements get their tiles autotuned on CUDA
 # The configuration of smaller matrices and of the interpreter (tests switch USE_DOT to cover both).
-_FIXED = {"USE_DOT": False, "BLOCK_N": 4, "BLOCK_K": 32}
+_FIXED = {"USE_DOT": False, "BLOCK_N": 4, "BLOCK_K": 32, "PREFETCH": False}
 
 
 def available(x: torch.Tensor) -> bool:
@@ -274,6 +274,7 @@ if triton is not None:
         M, N, K, eps, x_sm, w_sn,
         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
         USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+        PREFETCH: tl.constexpr = False,
     ):
         """Program ``i``: output columns ``i·BLOCK_N ..`` of every row (``M ≤ 16``)."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -298,20 +299,38 @@ if triton is not None:
                     rstd = _rms(x_ptr, rm, m_live, K, x_sm, eps, BLOCK_K)
                 sums = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
                 sums_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                w_rows = w_ptr + rn[:, None] * w_sn
+                u_rows = w_ptr + (rn + N)[:, None] * w_sn
+                if PREFETCH:  # the first weight block, loaded before the loop
+                    w_next = tl.load(w_rows + rk[None, :], mask=n_live[:, None] & (rk < K)[None, :], other=0.0)
+                    u_next = w_next
+                    if GATED:
+                        u_next = tl.load(u_rows + rk[None, :], mask=n_live[:, None] & (rk < K)[None, :], other=0.0)
                 for k0 in range(0, K, BLOCK_K):
                     kk = k0 + rk
                     k_live = kk < K
+                    w_mask = n_live[:, None] & k_live[None, :]
+                    if PREFETCH:  # this block was loaded one iteration ago; the next one is issued now,
+                        w = w_next  # so two blocks of weights are in flight per program
+                        u = u_next
+                        k_ahead = kk + BLOCK_K
+                        ahead_mask = n_live[:, None] & (k_ahead < K)[None, :]
+                        w_next = tl.load(w_rows + k_ahead[None, :], mask=ahead_mask, other=0.0)
+                        if GATED:
+                            u_next = tl.load(u_rows + k_ahead[None, :], mask=ahead_mask, other=0.0)
+                    else:
+                        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+                        u = w
+                        if GATED:
+                            u = tl.load(u_rows + kk[None, :], mask=w_mask, other=0.0)
                     h = tl.load(x_ptr + m * x_sm + kk, mask=k_live, other=0.0)
                     if NORM:
                         h = (h.to(tl.float32) * tl.sum(rstd, axis=0)).to(dtype)
                         g = tl.load(nw_ptr + kk, mask=k_live, other=0.0).to(tl.float32)
                         h = (g * h.to(tl.float32)).to(dtype)
                     hf = h.to(tl.float32)[None, :]
-                    w_mask = n_live[:, None] & k_live[None, :]
-                    w = tl.load(w_ptr + rn[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0)
                     sums += w.to(tl.float32) * hf
                     if GATED:
-                        u = tl.load(w_ptr + (rn + N)[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0)
                         sums_up += u.to(tl.float32) * hf
                 acc = tl.sum(sums, axis=1)[None, :]
                 acc_up = tl.sum(sums_up, axis=1)[None, :]

@@ -55,15 +55,19 @@ def _assert_close(out, ref, problem=None):
         assert (out != ref).float().mean() < 0.1
 
 
-@pytest.fixture(params=[False, True], ids=["cuda-cores", "tensor-cores"])
+@pytest.fixture(params=[(False, False), (False, True), (True, False)],
+                ids=["cuda-cores", "cuda-cores-prefetch", "tensor-cores"])
 def variant(request, monkeypatch):
-    """Both inner products of the kernel (the autotuner picks one per matrix on CUDA; here the
-    fixed configuration is switched)."""
+    """Both inner products of the kernel, the CUDA-core one with and without loading the next
+    weight block one iteration ahead (the autotuner picks per matrix on CUDA; here the fixed
+    configuration is switched)."""
     import flashspec.decode_linear as module
 
-    monkeypatch.setitem(module._FIXED, "USE_DOT", request.param)
-    monkeypatch.setitem(module._FIXED, "BLOCK_N", 16 if request.param else 4)
-    return request.param
+    use_dot, prefetch = request.param
+    monkeypatch.setitem(module._FIXED, "USE_DOT", use_dot)
+    monkeypatch.setitem(module._FIXED, "PREFETCH", prefetch)
+    monkeypatch.setitem(module._FIXED, "BLOCK_N", 16 if use_dot else 4)
+    return use_dot
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
