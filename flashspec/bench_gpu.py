@@ -222,29 +222,31 @@ def bench_pair(
     return result
 
 
-DECODE_MAP_SETS = {"none": (), "o": ("o",), "o+down": ("o", "down"), "all": ("qkv", "o", "gate_up", "down")}
+DECODE_MAP_SETS = {"none": (), "o": ("o",), "o+down": ("o", "down"), "qkv+o+down": ("qkv", "o", "down"),
+                   "all": ("qkv", "o", "gate_up", "down")}
 
 
 def forward_by_decode_maps(lm: StaticLM, widths: tuple[int, ...], context: int, rounds: int = 2) -> dict:
     """The decode forward's graph-replay time with each set of maps sent through
-    :func:`flashspec.decode_linear.decode_linear` (:data:`DECODE_MAP_SETS`), side by side in this
-    process, ``rounds`` times over so drift between variants shows. Sets the model refuses (a
-    float32 model; a norm decode_linear does not reproduce) are left out. The default is put back."""
-    default = lm.decode_maps
+    :func:`flashspec.decode_linear.decode_linear` (:data:`DECODE_MAP_SETS`, set as both
+    ``decode_maps`` and ``decode_maps_wide``), side by side in this process, ``rounds`` times over
+    so drift between variants shows. Sets the model refuses (a float32 model; a norm decode_linear
+    does not reproduce) are left out. The defaults are put back."""
+    default = (lm.decode_maps, lm.decode_maps_wide)
     out: dict[str, dict[str, list[float]]] = {}
     try:
         for _ in range(rounds):
             for label, maps in DECODE_MAP_SETS.items():
                 try:
-                    lm.decode_maps = maps
+                    lm.decode_maps = lm.decode_maps_wide = maps
                 except ValueError:
                     continue
                 times = out.setdefault(label, {})
                 for width in widths:
                     times.setdefault(str(width), []).append(time_forward(lm, 1, width, context))
     finally:
-        lm.decode_maps = default
-    return {"default": sorted(default), "seconds": out}
+        lm.decode_maps, lm.decode_maps_wide = default
+    return {"default": sorted(default[0]), "default_wide": sorted(default[1]), "seconds": out}
 
 
 def _decode_maps_lines(by_maps: dict) -> list[str]:
@@ -253,8 +255,10 @@ def _decode_maps_lines(by_maps: dict) -> list[str]:
     if "none" not in seconds:
         return []
     widths = list(seconds["none"])
+    wide = by_maps.get("default_wide", by_maps["default"])
     lines = [f"Decode forward by the maps sent through `decode_linear` (graph replay, ms, each round; "
-             f"default {{{', '.join(by_maps['default'])}}}):", "",
+             f"defaults {{{', '.join(by_maps['default'])}}} for one token row, {{{', '.join(wide)}}} for "
+             "several):", "",
              "| maps | " + " | ".join(f"width {w}" for w in widths) + " | change vs none (last round) |",
              "|---|" + "---|" * len(widths) + "---|"]
     for label, times in seconds.items():

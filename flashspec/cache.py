@@ -81,10 +81,13 @@ class StaticLM:
         # (flashspec.rope_kv) instead of three; False keeps the model's own rotation (probes).
         self.fuse_rope = True
         # And which linear maps of a decode forward run through flashspec.decode_linear, each
-        # with the element-wise work around it folded in (16-bit models, ≤ 16 token rows; see
-        # decode_maps). Only the output projection beats cuBLAS so far (probe 10).
+        # with the element-wise work around it folded in (16-bit models; decode_maps for one
+        # token row, decode_maps_wide for 2 to 16). Defaults: the maps that beat cuBLAS on both
+        # an H200's Qwen2.5-1.5B and Llama-3-8B shapes (probe 12).
         self._norms_fusable = _norms_fusable(model)
-        self.decode_maps = frozenset({"o"}) if _sixteen_bit(model) else frozenset()
+        sixteen = _sixteen_bit(model)
+        self.decode_maps = frozenset({"o", "down"}) if sixteen else frozenset()
+        self.decode_maps_wide = frozenset({"o"}) if sixteen else frozenset()
         self._compiled = None
         if compile:
             # One compilation per (model, token count, logits_at or not); dynamo counts them per
@@ -100,24 +103,39 @@ class StaticLM:
 
     @property
     def decode_maps(self) -> frozenset[str]:
-        """The linear maps that decode forwards run through :func:`flashspec.decode_linear.decode_linear`:
-        ``"qkv"`` (with the input RMSNorm), ``"o"`` (with the residual add), ``"gate_up"`` (with
-        the RMSNorm and SiLU·up), ``"down"`` (with the residual add). The rest use cuBLAS and
-        the model's modules. Default ``{"o"}`` for 16-bit models, nothing for float32 ones."""
+        """The linear maps that forwards of one token row (batch 1, one token: target-only
+        decoding, drafting) run through :func:`flashspec.decode_linear.decode_linear`: ``"qkv"``
+        (with the input RMSNorm), ``"o"`` (with the residual add), ``"gate_up"`` (with the
+        RMSNorm and SiLU·up), ``"down"`` (with the residual add). The rest use cuBLAS and the
+        model's modules. Default ``{"o", "down"}`` for 16-bit models, nothing for float32 ones.
+        Forwards of 2 to 16 token rows use :attr:`decode_maps_wide`."""
         return self._decode_maps
 
     @decode_maps.setter
     def decode_maps(self, maps: Any) -> None:
+        self._decode_maps = self._checked_maps(maps, "decode_maps")
+
+    @property
+    def decode_maps_wide(self) -> frozenset[str]:
+        """As :attr:`decode_maps`, for forwards of 2 to 16 token rows (verification, batches),
+        where decode_linear runs on tensor cores. Default ``{"o"}`` for 16-bit models."""
+        return self._decode_maps_wide
+
+    @decode_maps_wide.setter
+    def decode_maps_wide(self, maps: Any) -> None:
+        self._decode_maps_wide = self._checked_maps(maps, "decode_maps_wide")
+
+    def _checked_maps(self, maps: Any, name: str) -> frozenset[str]:
         maps = frozenset(maps)
         unknown = maps - set(self.DECODE_MAPS)
         if unknown:
-            raise ValueError(f"decode_maps can hold {', '.join(self.DECODE_MAPS)}; got {sorted(unknown)}")
+            raise ValueError(f"{name} can hold {', '.join(self.DECODE_MAPS)}; got {sorted(unknown)}")
         if maps and not _sixteen_bit(self.model):
-            raise ValueError("decode_maps needs a bfloat16 or float16 model; this one keeps cuBLAS")
+            raise ValueError(f"{name} needs a bfloat16 or float16 model; this one keeps cuBLAS")
         if maps & {"qkv", "gate_up"} and not self._norms_fusable:
-            raise ValueError("decode_maps 'qkv' and 'gate_up' fold in the model's RMSNorm (and SiLU·up), but this "
+            raise ValueError(f"{name} 'qkv' and 'gate_up' fold in the model's RMSNorm (and SiLU·up), but this "
                              "model's norm or activation is not the one decode_linear computes")
-        self._decode_maps = maps
+        return maps
 
     @classmethod
     def supports(cls, model: PreTrainedModel) -> bool:
@@ -211,7 +229,7 @@ class StaticLM:
         # (Not on tensor-parallel ranks: their o/down projections all-reduce, flashspec.parallel.)
         fused = frozenset()
         if use_kernel and batch * width <= _LINEAR_ROWS and getattr(self.model, "_flashspec_tp", None) is None:
-            fused = self.decode_maps
+            fused = self.decode_maps if batch * width == 1 else self.decode_maps_wide
 
         for i, layer in enumerate(self.base.layers):
             attn, mlp = layer.self_attn, layer.mlp

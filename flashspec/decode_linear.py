@@ -14,19 +14,22 @@ computes any of
 * ``x    = x + linear(h)``                          — ``residual`` given
 
 in one launch. :class:`~flashspec.cache.StaticLM` chooses which maps go through it
-(``StaticLM.decode_maps``, default the output projection only).
+(``StaticLM.decode_maps`` for forwards of one token row, ``decode_maps_wide`` for 2 to 16).
 
-Two inner products, chosen per matrix by the autotuner on CUDA:
+Two inner products; on CUDA the autotuner picks a tile of one per matrix and row class:
 
-* **tensor cores** — the rows as one 16-row tile (padded), ``tl.dot`` per block of ``K``; 16 to
-  64 weight rows per program. Measured on an H200 (probe 10, BENCHMARKS.md) it beats cuBLAS only
-  on the output projection (1.5B shape: 4.3 against 6.5 µs; 8B: 8.4 against 10.0 µs) and loses
-  on the large matrices (gate/up 23.0 against 17.1 µs at 1.5B): too few bytes in flight;
-* **CUDA cores** — one row after another: float32 products of ``BLOCK_N × BLOCK_K`` blocks
-  summed element-wise over ``K`` and reduced once per row (the rows after the first re-read the
-  program's weight rows from L1/L2, not HBM); 2 to 16 weight rows per program, so even a
-  1,536-row matrix spreads over hundreds of programs. Added after probe 10 and not yet measured
-  (probe 11 is written for it).
+* **CUDA cores** (one token row) — float32 products of ``BLOCK_N × BLOCK_K`` blocks summed
+  element-wise over ``K`` and reduced once; 1 to 8 weight rows per program, so even a 1,536-row
+  matrix spreads over hundreds of programs. With the weights cold in L2 (probe 12, an H200) it
+  beats cuBLAS's ``F.linear`` on the output projection (Qwen2.5-1.5B shape 3.7 against 6.6 µs,
+  Llama-3-8B shape 10.7 against 12.8), the down projection (9.5 against 11.2; 31.1 against 32.6)
+  and the 1.5B's q/k/v (4.8 against 5.3), norm, SiLU·up and residual add included; it loses on
+  the 8B's gate/up (68.7 against 58.8 µs) and q/k/v (19.1 against 16.8).
+* **tensor cores** (2 to 16 rows) — the rows as one 16-row tile (padded), ``tl.dot`` per block of
+  ``K``; 16 to 64 weight rows per program. At 5 rows it beats cuBLAS on the output projection
+  (1.5B 5.0 against 6.0 µs; 8B 11.8 against 12.8) and loses elsewhere (1.5B down 15.4 against
+  11.3 µs): too few bytes in flight. The CUDA-core loop run row after row re-reads the weights
+  per row and is 2.5-4× slower than cuBLAS at 5 rows, so it is not offered for several rows.
 
 Arithmetic (SPEC §3)
 --------------------
@@ -37,18 +40,20 @@ Arithmetic (SPEC §3)
 * ``silu(round(gate))·round(up)`` in float32, rounded once (inductor's fused SiLU·up); the residual
   add in float32, rounded once.
 
-**Batch invariance.** Row ``m`` of the result is computed by the same instructions whatever
-``M`` is (the tensor-core tile is always 16 rows, padded; the CUDA-core loop runs the same code
-for each row, alone; the configuration is chosen per ``(N, K)``, never per ``M``), so a token's outputs are bit-identical whether it is fed alone or with the
-``γ`` draft tokens of a verify forward. A 1-token forward and a ``γ+1``-token forward therefore
-agree on every map this kernel computes, which removes those maps as a cause of bf16 drift
-between speculative and target-only greedy decoding (within one process: another process may
-autotune another configuration).
+**Batch invariance, within a row class.** Among calls of 2 to 16 rows, row ``m`` of the result
+is computed by the same instructions whatever ``M`` is (the tensor-core tile is always 16 rows,
+padded, and its configuration is chosen per ``(N, K)`` and row class, never per ``M``), so a
+token's outputs are bit-identical whether it is verified with 1 or 15 others. A 1-row call runs
+another inner product (the CUDA cores: faster there) and may round differently from the same row
+in a wider call, as cuBLAS's kernels for different ``M`` do: 1-token and ``γ+1``-token forwards
+can differ in the last bit (SPEC §3 says what "exact" means in bf16). Without autotuning (small
+matrices, the interpreter) one fixed configuration serves every ``M``, and every row count agrees.
 
 Grid and traffic: ``ceil(N / BLOCK_N)`` programs; each reads its ``BLOCK_N`` weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows from L2. Weights
 are read exactly once per call: ``N·K·b`` bytes (``2·N·K·b`` gated), the floor. No atomics, no
 split-K: results are deterministic. On CUDA the tile sizes of matrices of at least 2²⁰ elements
-are autotuned once per ``(N, K)`` and options; smaller ones (tests) take one fixed tile.
+are autotuned once per ``(N, K)``, options and row class (one row, several); smaller ones (tests)
+take one fixed tile.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ if triton is not None:
 MAX_ROWS = 16  # token rows per call: one row tile; larger forwards belong to cuBLAS
 _TUNED_SIZE = 1 << 20  # weights of at least this many elements get their tiles autotuned on CUDA
 # The configuration of smaller matrices and of the interpreter (tests switch USE_DOT to cover both).
-_FIXED = {"USE_DOT": False, "BLOCK_N": 4, "BLOCK_K": 32, "PREFETCH": False}
+_FIXED = {"USE_DOT": False, "BLOCK_N": 4, "BLOCK_K": 32}
 
 
 def available(x: torch.Tensor) -> bool:
@@ -157,7 +162,7 @@ def _launch(
     bias = bias.contiguous() if bias is not None else None
     norm_weight = norm_weight.contiguous() if norm_weight is not None else None
     args = (rows, weight, bias if bias is not None else out, norm_weight if norm_weight is not None else rows,
-            res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0))
+            res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0), _row_class(m))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
                  GATED=bool(gated), UPCAST=not x.is_cuda)
     if x.is_cuda and n * k >= _TUNED_SIZE:
@@ -167,6 +172,12 @@ def _launch(
         config = dict(_FIXED, BLOCK_K=256 if x.is_cuda else _FIXED["BLOCK_K"])
         _decode_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
     return out.view(*x.shape[:-1], n)
+
+
+def _row_class(rows: int) -> int:
+    """The autotuner's row class: 1 for one token row (CUDA-core tiles), 2 for 2 to 16 rows
+    (tensor-core tiles)."""
+    return 1 if rows == 1 else 2
 
 
 def decode_linear(
@@ -268,15 +279,15 @@ if triton is not None:
             y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=out_mask)
 
-    @triton.jit(do_not_specialize=["M", "eps"])
+    @triton.jit(do_not_specialize=["M", "eps", "row_class"])
     def _decode_linear_kernel(
         x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
-        M, N, K, eps, x_sm, w_sn,
+        M, N, K, eps, x_sm, w_sn, row_class,
         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
         USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-        PREFETCH: tl.constexpr = False,
     ):
-        """Program ``i``: output columns ``i·BLOCK_N ..`` of every row (``M ≤ 16``)."""
+        """Program ``i``: output columns ``i·BLOCK_N ..`` of every row (``M ≤ 16``). ``row_class``
+        (:func:`_row_class`) is read by the autotuner only."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_live = rn < N
         dtype = y_ptr.dtype.element_ty
@@ -299,38 +310,20 @@ if triton is not None:
                     rstd = _rms(x_ptr, rm, m_live, K, x_sm, eps, BLOCK_K)
                 sums = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
                 sums_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-                w_rows = w_ptr + rn[:, None] * w_sn
-                u_rows = w_ptr + (rn + N)[:, None] * w_sn
-                if PREFETCH:  # the first weight block, loaded before the loop
-                    w_next = tl.load(w_rows + rk[None, :], mask=n_live[:, None] & (rk < K)[None, :], other=0.0)
-                    u_next = w_next
-                    if GATED:
-                        u_next = tl.load(u_rows + rk[None, :], mask=n_live[:, None] & (rk < K)[None, :], other=0.0)
                 for k0 in range(0, K, BLOCK_K):
                     kk = k0 + rk
                     k_live = kk < K
-                    w_mask = n_live[:, None] & k_live[None, :]
-                    if PREFETCH:  # this block was loaded one iteration ago; the next one is issued now,
-                        w = w_next  # so two blocks of weights are in flight per program
-                        u = u_next
-                        k_ahead = kk + BLOCK_K
-                        ahead_mask = n_live[:, None] & (k_ahead < K)[None, :]
-                        w_next = tl.load(w_rows + k_ahead[None, :], mask=ahead_mask, other=0.0)
-                        if GATED:
-                            u_next = tl.load(u_rows + k_ahead[None, :], mask=ahead_mask, other=0.0)
-                    else:
-                        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
-                        u = w
-                        if GATED:
-                            u = tl.load(u_rows + kk[None, :], mask=w_mask, other=0.0)
                     h = tl.load(x_ptr + m * x_sm + kk, mask=k_live, other=0.0)
                     if NORM:
                         h = (h.to(tl.float32) * tl.sum(rstd, axis=0)).to(dtype)
                         g = tl.load(nw_ptr + kk, mask=k_live, other=0.0).to(tl.float32)
                         h = (g * h.to(tl.float32)).to(dtype)
                     hf = h.to(tl.float32)[None, :]
+                    w_mask = n_live[:, None] & k_live[None, :]
+                    w = tl.load(w_ptr + rn[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0)
                     sums += w.to(tl.float32) * hf
                     if GATED:
+                        u = tl.load(w_ptr + (rn + N)[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0)
                         sums_up += u.to(tl.float32) * hf
                 acc = tl.sum(sums, axis=1)[None, :]
                 acc_up = tl.sum(sums_up, axis=1)[None, :]
@@ -338,25 +331,30 @@ if triton is not None:
                 m += 1
 
     def _configs() -> list:
-        """Tensor-core tiles (16 padded rows) and CUDA-core tiles (any number of weight rows per
-        program, so small matrices still spread over every SM); the autotuner keeps the faster."""
+        """CUDA-core tiles for one row (1 to 8 weight rows per program, so small matrices still
+        spread over every SM) and tensor-core tiles (16 padded rows) for several: the winners of
+        probe 12's sweep on an H200 (benchmarks/probes/NOTES.md), where 8-warp tensor-core tiles,
+        16-row CUDA-core tiles and loading the next weight block ahead never won."""
         configs = []
+        for block_n, block_k, warps in ((1, 2048, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
+                                        (4, 2048, 4), (8, 512, 4), (8, 512, 8), (8, 1024, 4)):
+            configs.append(triton.Config({"USE_DOT": False, "BLOCK_N": block_n, "BLOCK_K": block_k},
+                                         num_warps=warps, num_stages=1))
         for block_n, block_k in ((16, 256), (16, 512), (32, 256), (32, 512), (64, 256)):
-            for warps in (4, 8):  # (8 warps halve the registers per thread: probes/registers.py)
-                configs.append(triton.Config({"USE_DOT": True, "BLOCK_N": block_n, "BLOCK_K": block_k},
-                                             num_warps=warps, num_stages=3))
-        for block_n, block_k in ((2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (16, 256)):
-            for warps in (4, 8):
-                configs.append(triton.Config({"USE_DOT": False, "BLOCK_N": block_n, "BLOCK_K": block_k},
-                                             num_warps=warps, num_stages=1))
+            configs.append(triton.Config({"USE_DOT": True, "BLOCK_N": block_n, "BLOCK_K": block_k},
+                                         num_warps=4, num_stages=3))
         return configs
 
     def _prune(configs, named_args, **kwargs):
-        """Drop tiles wider than the matrix (only the narrowest one kept for small N)."""
+        """The inner product of the row class (CUDA cores for one row, tensor cores for several),
+        tiles no wider than the matrix (the narrowest one kept for small N)."""
+        use_dot = named_args["row_class"] != 1
         n = named_args["N"]
-        kept = [c for c in configs if c.kwargs["BLOCK_N"] <= max(n, 16)]
-        return kept or configs[:1]
+        kind = [c for c in configs if c.kwargs["USE_DOT"] == use_dot]
+        kept = [c for c in kind if c.kwargs["BLOCK_N"] <= max(n, 16)]
+        return kept or kind[:1]
 
-    # One choice per (N, K, flags), never per M: batch invariance (module docstring).
-    _tuned = triton.autotune(configs=_configs(), key=["N", "K", "HAS_BIAS", "NORM", "RESIDUAL", "GATED"],
+    # One choice per (N, K, flags, row class), never per M: batch invariance (module docstring).
+    _tuned = triton.autotune(configs=_configs(),
+                             key=["N", "K", "HAS_BIAS", "NORM", "RESIDUAL", "GATED", "row_class"],
                              prune_configs_by={"early_config_prune": _prune})(_decode_linear_kernel)

@@ -197,6 +197,10 @@ class SpeculativeEngine:
         self._target_lm = make_lm(self.target, compile=self.compile)
         static_on_gpu = isinstance(self._target_lm, StaticLM) and self.target.device.type == "cuda"
         self._graphs = Graphs(enabled=static_on_gpu)
+        # A step's bookkeeping after verification (commit, stop flags, log) is about 25 tiny
+        # kernels; compiled, inductor fuses them into a few. Only where the step is replayed as a
+        # CUDA graph: elsewhere the compiled function's guards would cost more host time per step.
+        self._commit_step = torch.compile(commit_step, dynamic=False) if self.compile and static_on_gpu else commit_step
         self._buffers: _Workspace | None = None
         # Queue the next step before a poll waits for its read-back, so that the device does not
         # idle while the host reads the log and launches the next graphs (SPEC.md §7). On a CPU
@@ -630,12 +634,8 @@ class _Run:
         logits = self.target.forward(fed, self.length - 1, self.active[:, None].expand_as(fed))
         probs = ws.draft_probs[:, :k] if has_probs else None
         result = verify(logits, drafts, probs, self.params, self.verify_uniforms[:, : k + 1])
-        accepted = torch.where(self.active, result.num_accepted, 0)
-        active_rows = self.active.sum()
-        committed = self.commit(result.tokens, accepted)
-        entry = torch.stack([accepted.sum(), active_rows, committed])
-        ws.log.index_copy_(0, ws.steps_taken.clamp(max=ws.log.shape[0] - 1)[None], entry[None])
-        ws.steps_taken += 1
+        self.engine._commit_step(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos,
+                                 result.tokens, result.num_accepted, ws.log, ws.steps_taken)
 
     def snapshot(self) -> _Snapshot:
         """Start reading the per-step log, the stop flag and the token count back to the host:
@@ -706,24 +706,10 @@ class _Run:
         return total
 
     def commit(self, new_tokens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
-        """Append each active row's ``num_accepted + 1`` new tokens, cut at EOS and length;
-        return how many tokens were committed (a device scalar)."""
-        columns = torch.arange(new_tokens.shape[1], device=new_tokens.device)
+        """Append each active row's ``num_accepted + 1`` new tokens (:func:`commit_tokens`)."""
         ws = self.ws
-        take = torch.minimum(num_accepted + 1, ws.max_new_tokens - self.generated)
-        is_eos = torch.isin(new_tokens, ws.eos) & (columns < take[:, None])
-        first_eos = torch.where(is_eos, columns, new_tokens.shape[1]).amin(dim=1)
-        take = torch.minimum(take, first_eos + 1)
-        take = torch.where(self.active, take, 0)
-        index = self.length[:, None] + columns
-        write = columns < take[:, None]
-        current = self.tokens.gather(1, index)
-        self.tokens.scatter_(1, index, torch.where(write, new_tokens, current))
-        self.length += take
-        self.generated += take
-        finished = (first_eos < take) | (self.generated >= ws.max_new_tokens)
-        self.active &= ~finished
-        return take.sum()
+        return commit_tokens(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos,
+                             new_tokens, num_accepted)
 
     def sequences(self) -> list[list[int]]:
         out = []
@@ -731,6 +717,47 @@ class _Run:
             start, end = int(self.ws.prompt_length[b]), int(self.length[b])
             out.append(self.tokens[b, start:end].tolist())
         return out
+
+
+def commit_tokens(
+    tokens: torch.Tensor, length: torch.Tensor, active: torch.Tensor, generated: torch.Tensor,
+    max_new_tokens: torch.Tensor, eos: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
+) -> torch.Tensor:
+    """Append each active row's ``num_accepted + 1`` tokens of ``new_tokens [B, k+1]`` to
+    ``tokens [B, capacity]`` at ``length``, cut at the first EOS and at ``max_new_tokens``; update
+    ``length``, ``generated`` and ``active`` in place; return how many tokens were committed (a
+    device scalar). Tensor code only: no value goes back to the host."""
+    columns = torch.arange(new_tokens.shape[1], device=new_tokens.device)
+    take = torch.minimum(num_accepted + 1, max_new_tokens - generated)
+    is_eos = torch.isin(new_tokens, eos) & (columns < take[:, None])
+    first_eos = torch.where(is_eos, columns, new_tokens.shape[1]).amin(dim=1)
+    take = torch.minimum(take, first_eos + 1)
+    take = torch.where(active, take, 0)
+    index = length[:, None] + columns
+    write = columns < take[:, None]
+    current = tokens.gather(1, index)
+    tokens.scatter_(1, index, torch.where(write, new_tokens, current))
+    length += take
+    generated += take
+    finished = (first_eos < take) | (generated >= max_new_tokens)
+    active &= ~finished
+    return take.sum()
+
+
+def commit_step(
+    tokens: torch.Tensor, length: torch.Tensor, active: torch.Tensor, generated: torch.Tensor,
+    max_new_tokens: torch.Tensor, eos: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
+    log: torch.Tensor, steps_taken: torch.Tensor,
+) -> None:
+    """A step's bookkeeping after verification: :func:`commit_tokens` for the active rows, then
+    the step's log entry (drafts accepted, rows active, tokens committed) at ``log[steps_taken]``
+    (the last row once the log is full), and ``steps_taken += 1``."""
+    accepted = torch.where(active, num_accepted, 0)
+    active_rows = active.sum()
+    committed = commit_tokens(tokens, length, active, generated, max_new_tokens, eos, new_tokens, accepted)
+    entry = torch.stack([accepted.sum(), active_rows, committed])
+    log.index_copy_(0, steps_taken.clamp(max=log.shape[0] - 1)[None], entry[None])
+    steps_taken += 1
 
 
 def _hashable(value: Any) -> Hashable:

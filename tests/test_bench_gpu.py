@@ -25,8 +25,9 @@ def timer(monkeypatch):
     calls = []
 
     def fake(lm, batch, width, context):
-        calls.append((frozenset(lm.decode_maps), width))
-        return 1e-3 * (1 + len(lm.decode_maps)) + 1e-5 * width
+        maps = lm.decode_maps if batch * width == 1 else lm.decode_maps_wide
+        calls.append((frozenset(maps), width))
+        return 1e-3 * (1 + len(maps)) + 1e-5 * width
 
     monkeypatch.setattr(bench_gpu, "time_forward", fake)
     return calls
@@ -39,7 +40,8 @@ def test_every_accepted_set_every_round(timer):
     assert all(len(times) == 2 for widths in result["seconds"].values() for times in widths.values())
     assert len(timer) == 2 * len(bench_gpu.DECODE_MAP_SETS) * 2
     assert {maps for maps, _ in timer} == {frozenset(m) for m in bench_gpu.DECODE_MAP_SETS.values()}
-    assert lm.decode_maps == {"o"} and result["default"] == ["o"]
+    assert lm.decode_maps == {"o", "down"} and result["default"] == ["down", "o"]
+    assert lm.decode_maps_wide == {"o"} and result["default_wide"] == ["o"]
     table = "\n".join(bench_gpu._decode_maps_lines(result))
     assert "| all | 5.010 / 5.010 | 5.050 / 5.050 | +396.0%, +381.0% |" in table
 
@@ -48,4 +50,4 @@ def test_refused_sets_are_left_out(timer):
     lm = _lm(torch.float32)  # float32 keeps cuBLAS: only "none" can be timed
     result = bench_gpu.forward_by_decode_maps(lm, (1,), context=10, rounds=1)
     assert list(result["seconds"]) == ["none"]
-    assert lm.decode_maps == frozenset()
+    assert lm.decode_maps == lm.decode_maps_wide == frozenset()

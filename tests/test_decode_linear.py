@@ -55,19 +55,15 @@ def _assert_close(out, ref, problem=None):
         assert (out != ref).float().mean() < 0.1
 
 
-@pytest.fixture(params=[(False, False), (False, True), (True, False)],
-                ids=["cuda-cores", "cuda-cores-prefetch", "tensor-cores"])
+@pytest.fixture(params=[False, True], ids=["cuda-cores", "tensor-cores"])
 def variant(request, monkeypatch):
-    """Both inner products of the kernel, the CUDA-core one with and without loading the next
-    weight block one iteration ahead (the autotuner picks per matrix on CUDA; here the fixed
-    configuration is switched)."""
+    """Both inner products of the kernel (the autotuner picks one per matrix on CUDA; here the
+    fixed configuration is switched)."""
     import flashspec.decode_linear as module
 
-    use_dot, prefetch = request.param
-    monkeypatch.setitem(module._FIXED, "USE_DOT", use_dot)
-    monkeypatch.setitem(module._FIXED, "PREFETCH", prefetch)
-    monkeypatch.setitem(module._FIXED, "BLOCK_N", 16 if use_dot else 4)
-    return use_dot
+    monkeypatch.setitem(module._FIXED, "USE_DOT", request.param)
+    monkeypatch.setitem(module._FIXED, "BLOCK_N", 16 if request.param else 4)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -169,11 +165,12 @@ def _tiny(dtype, arch="qwen2"):
     return model.to(DEVICE, dtype).eval()
 
 
-def _decode_logits(model, maps, width):
+def _decode_logits(model, maps, width, wide=None):
     from flashspec.cache import StaticLM
 
     lm = StaticLM(model)
     lm.decode_maps = maps
+    lm.decode_maps_wide = maps if wide is None else wide
     if not CUDA:  # run the decode kernels through the interpreter
         lm._decode_kernels = lambda x: x.shape[1] <= StaticLM.COMPILED_WIDTHS
     lm.reset(2, 64)
@@ -194,11 +191,39 @@ def test_static_lm_fused_matches_unfused(arch, dtype, maps):
     from flashspec.cache import StaticLM
 
     model = _tiny(dtype, arch)
-    assert StaticLM(model).decode_maps == {"o"}  # the default for 16-bit models
+    lm = StaticLM(model)
+    assert lm.decode_maps == {"o", "down"} and lm.decode_maps_wide == {"o"}  # the defaults for 16-bit models
     plain, fused = _decode_logits(model, set(), 3), _decode_logits(model, maps, 3)
     tolerance = 2 ** -5 if dtype == torch.bfloat16 else 2 ** -8
     torch.testing.assert_close(fused.float(), plain.float(), atol=tolerance, rtol=tolerance)
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.8
+
+
+def test_static_lm_one_row_and_wide_maps(monkeypatch):
+    """Forwards of one token row use decode_maps, wider ones decode_maps_wide: a bad map set
+    shows up only in the forwards that use it."""
+    import flashspec.cache as cache
+
+    calls = []
+    real = cache.decode_linear
+
+    def counting(x, *args, **kwargs):
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(cache, "decode_linear", counting)
+    model = _tiny(torch.bfloat16)
+    _decode_logits(model, {"o"}, 3, wide=set())
+    assert calls == []  # 2 rows × 3 tokens: the (empty) wide set
+    lm = cache.StaticLM(model)
+    lm.decode_maps, lm.decode_maps_wide = {"o", "down"}, set()
+    if not CUDA:
+        lm._decode_kernels = lambda x: x.shape[1] <= cache.StaticLM.COMPILED_WIDTHS
+    lm.reset(1, 64)
+    lm.forward(torch.randint(0, 128, (1, 20)).to(DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE))
+    assert calls == []  # a 20-token prefill: cuBLAS
+    lm.forward(torch.randint(0, 128, (1, 1)).to(DEVICE), torch.full((1,), 20, device=DEVICE))
+    assert calls == [1] * 2 * len(model.model.layers)  # o and down of every layer, one row each
 
 
 def test_static_lm_decode_maps_are_checked():
@@ -207,12 +232,16 @@ def test_static_lm_decode_maps_are_checked():
     from flashspec.cache import StaticLM
 
     lm = StaticLM(_tiny(torch.float32))
-    assert lm.decode_maps == frozenset()
+    assert lm.decode_maps == lm.decode_maps_wide == frozenset()
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         lm.decode_maps = {"o"}
+    with pytest.raises(ValueError, match="decode_maps_wide needs a bfloat16"):
+        lm.decode_maps_wide = {"o"}
     lm = StaticLM(_tiny(torch.bfloat16))
     with pytest.raises(ValueError, match="can hold"):
         lm.decode_maps = {"o_proj"}
+    with pytest.raises(ValueError, match="decode_maps_wide can hold"):
+        lm.decode_maps_wide = {"mlp"}
     lm.decode_maps = {"qkv", "gate_up"}  # Qwen2's own RMSNorm and SiLU: accepted
 
     class OffsetNorm(torch.nn.Module):  # Gemma's RMSNorm scales by 1 + weight
@@ -232,7 +261,25 @@ def test_static_lm_decode_maps_are_checked():
     lm.decode_maps = {"o", "down"}  # no norm folded in: fine
     with pytest.raises(ValueError, match="norm or activation"):
         lm.decode_maps = {"gate_up"}
+    with pytest.raises(ValueError, match="norm or activation"):
+        lm.decode_maps_wide = {"gate_up"}
     model = _tiny(torch.bfloat16)
     model.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="norm or activation"):
         StaticLM(model).decode_maps = {"qkv"}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, MAX_ROWS])
+def test_autotuner_offers_one_inner_product_per_row_class(rows):
+    """On CUDA the autotuner chooses per (N, K, options, row class): CUDA-core tiles for one token
+    row, tensor-core tiles for several (the CUDA-core loop re-reads the weights per row), and no
+    tile wider than the matrix unless none is narrower."""
+    import flashspec.decode_linear as module
+
+    row_class = module._row_class(rows)
+    assert row_class == (1 if rows == 1 else 2)
+    for n in (1536, 8):
+        kept = module._prune(module._configs(), {"row_class": row_class, "N": n})
+        assert kept and all(c.kwargs["USE_DOT"] == (rows > 1) for c in kept)
+        assert all(c.kwargs["BLOCK_N"] <= max(n, 16) for c in kept)
+    assert module._prune(module._configs(), {"row_class": row_class, "N": 1}) != []

@@ -95,6 +95,34 @@ def test_steady_state_steps_do_not_synchronise(drafter, params):
     assert stats.steps == 11
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_compiled_bookkeeping_in_graphs(do_sample):
+    """The compiled commit/log bookkeeping (what compile=True adds to a graph-replayed step) gives
+    the tokens of the eager one, EOS cuts included, and its steady-state steps do not synchronise."""
+    from flashspec.engine import commit_step
+
+    target, draft = tiny("llama", 0, torch.bfloat16), tiny("llama", 1, torch.bfloat16)
+    kwargs = dict(max_new_tokens=40, num_draft_tokens=3, eos_token_id=[5, 9], do_sample=do_sample, seed=7)
+    plain = SpeculativeEngine(target, [draft])
+    compiled = SpeculativeEngine(target, [draft])
+    compiled._commit_step = torch.compile(commit_step, dynamic=False)
+    assert plain.generate(PROMPTS, **kwargs).sequences == compiled.generate(PROMPTS, **kwargs).sequences
+    assert SpeculativeEngine(target, [draft], compile=True)._commit_step is not commit_step
+    stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in compiled.drafters})
+    run = _Run(compiled, PROMPTS, SamplingParams(do_sample=do_sample), [], 64, 3, 0, stats)
+    run.prefill()
+    for _ in range(3):
+        run.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(6):
+            run.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert run.poll() in (True, False)
+
+
 def test_sync_every_does_not_change_output():
     target, draft = tiny("llama", 0), tiny("llama", 1)
     engine = SpeculativeEngine(target, [draft])

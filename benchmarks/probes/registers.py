@@ -13,7 +13,8 @@ from triton.compiler import ASTSource
 import flashspec.decode_linear as dl
 
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "nw_ptr": "*bf16", "r_ptr": "*bf16",
-             "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "eps": "fp32", "x_sm": "i32", "w_sn": "i32"}
+             "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "eps": "fp32", "x_sm": "i32", "w_sn": "i32",
+             "row_class": "i32"}
 # What a real launch on these models' matrices sees: 16-byte-aligned pointers, and N, K and the
 # row strides multiples of 16 (M and eps are never specialised).
 DIVISIBLE_BY_16 = ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "r_ptr", "y_ptr", "N", "K", "x_sm", "w_sn")

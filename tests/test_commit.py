@@ -1,0 +1,57 @@
+"""A step's bookkeeping (flashspec.engine.commit_step): the engine compiles it on a GPU, where a
+step is replayed as a CUDA graph, so the compiled function must do exactly what the eager one
+does — EOS cuts, token budgets, finished rows, a full log included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashspec.engine import commit_step
+
+
+def _state(batch: int, width: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    capacity = 32
+    length = torch.randint(2, 12, (batch,), generator=gen)
+    generated = torch.randint(0, 6, (batch,), generator=gen)
+    return dict(
+        tokens=torch.randint(0, 9, (batch, capacity), generator=gen),
+        length=length,
+        active=torch.rand(batch, generator=gen) < 0.8,
+        generated=generated,
+        max_new_tokens=generated + torch.randint(1, 8, (batch,), generator=gen),
+        eos=torch.tensor([3, -1]),
+        new_tokens=torch.randint(0, 9, (batch, width), generator=gen),
+        num_accepted=torch.randint(0, width, (batch,), generator=gen),
+        log=torch.zeros(4, 3, dtype=torch.long),
+        steps_taken=torch.tensor(seed % 6),  # ≥ 4: the log is full, its last row is overwritten
+    )
+
+
+@pytest.mark.parametrize("batch,width", [(1, 1), (1, 5), (4, 2), (6, 9)])
+def test_compiled_commit_step_equals_eager(batch, width):
+    compiled = torch.compile(commit_step, dynamic=False)
+    for seed in range(6):
+        eager_state, compiled_state = _state(batch, width, seed), _state(batch, width, seed)
+        commit_step(**eager_state)
+        compiled(**compiled_state)
+        for name, value in eager_state.items():
+            assert torch.equal(value, compiled_state[name]), name
+
+
+def test_commit_step_cuts_at_eos_and_budget():
+    """Row 0 accepts 3 drafts but meets EOS (3) at its second new token; row 1 has one token of
+    budget left; row 2 is inactive: nothing changes there."""
+    state = dict(
+        tokens=torch.zeros(3, 8, dtype=torch.long), length=torch.tensor([2, 2, 2]),
+        active=torch.tensor([True, True, False]), generated=torch.tensor([0, 4, 0]),
+        max_new_tokens=torch.tensor([9, 5, 9]), eos=torch.tensor([3]),
+        new_tokens=torch.tensor([[7, 3, 8, 8], [6, 6, 6, 6], [5, 5, 5, 5]]), num_accepted=torch.tensor([3, 3, 3]),
+        log=torch.zeros(2, 3, dtype=torch.long), steps_taken=torch.tensor(0),
+    )
+    commit_step(**state)
+    assert state["tokens"][:, 2:5].tolist() == [[7, 3, 0], [6, 0, 0], [0, 0, 0]]
+    assert state["length"].tolist() == [4, 3, 2] and state["generated"].tolist() == [2, 5, 0]
+    assert state["active"].tolist() == [False, False, False]
+    assert state["log"][0].tolist() == [6, 2, 3] and state["steps_taken"].item() == 1
