@@ -29,7 +29,7 @@ Two inner products; on CUDA the autotuner picks a tile of one per matrix and row
   ``K``; 16 to 64 weight rows per program. At 5 rows it beats cuBLAS on the output projection
   (1.5B 5.0 against 6.0 µs; 8B 11.8 against 12.8) and loses elsewhere (1.5B down 15.4 against
   11.3 µs): too few bytes in flight. The CUDA-core loop run row after row re-reads the weights
-  per row and is 2.5-4× slower than cuBLAS at 5 rows, so it is not offered for several rows.
+  per row and is 1.3-3.5× slower than cuBLAS at 5 rows, so it is not offered for several rows.
 
 Arithmetic (SPEC §3)
 --------------------

@@ -4,7 +4,8 @@
 (2) target-only greedy decoding of the 1.5B shape (random weights, compile=True, batch 1) with
 the step's bookkeeping compiled (the default with compile=True) and eager, alternating, two rounds:
 tokens/s and the step time outside the forward.
-Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe13.py"""
+Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe13.py
+Table for NOTES.md:      PYTHONPATH=. python benchmarks/probes/probe13.py --report benchmarks/probes/probe13_h200.json"""
 import json, os, statistics, sys, time
 
 import torch
@@ -62,7 +63,24 @@ def bookkeeping(rounds: int = 2, new_tokens: int = 192) -> dict:
     return out
 
 
-if __name__ == "__main__":
+def report(path: str) -> str:
+    """The bookkeeping table of NOTES.md from the raw JSON."""
+    data = json.load(open(path))["bookkeeping"]
+    forward = data["forward_s"] * 1e3
+    lines = [f"| round | bookkeeping | median step (ms) | outside the forward ({forward:.3f} ms) |", "|---|---|---|---|"]
+    for key, value in data.items():
+        if "|" not in key:
+            continue
+        round_, label = key.split("|")
+        steps, outside = value["median_step_s"], value["outside_forward"]
+        lines.append(f"| {round_[5:]} | {label} | {min(steps) * 1e3:.3f}–{max(steps) * 1e3:.3f} | "
+                     f"{min(outside):.1%}–{max(outside):.1%} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--report":
+    print(report(sys.argv[2]))
+elif __name__ == "__main__":
     begin = time.time()
     result = {"kernels": kernels()}
     result["kernels_s"] = time.time() - begin
