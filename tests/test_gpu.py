@@ -79,20 +79,27 @@ def test_steady_state_steps_do_not_synchronise(drafter, params):
     target = tiny("llama", 0, torch.bfloat16)
     drafters = {"model": [tiny("llama", 1, torch.bfloat16)], "ngram": ["ngram"], "none": []}[drafter]
     engine = SpeculativeEngine(target, drafters)
+    stats = _steps_without_synchronising(engine, params, gamma=4, steps=8)
+    assert stats.steps == 11
+
+
+def _steps_without_synchronising(engine, params, gamma: int, steps: int) -> GenerationStats:
+    """Prefill, 3 warm-up steps (eager first calls and graph captures), then ``steps`` steps with
+    any device-to-host synchronisation raising an error; a final poll; the run's statistics."""
     stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in engine.drafters})
-    run = _Run(engine, PROMPTS, params, [], 64, 4, 0, stats)
+    run = _Run(engine, PROMPTS, params, [], 64, gamma, 0, stats)
     run.prefill()
-    for _ in range(3):  # eager first calls and graph captures
+    for _ in range(3):
         run.step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(8):
+        for _ in range(steps):
             run.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert run.poll() in (True, False)
-    assert stats.steps == 11
+    return stats
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
@@ -108,19 +115,7 @@ def test_compiled_bookkeeping_in_graphs(do_sample):
     compiled._commit_step = torch.compile(commit_step, dynamic=False)
     assert plain.generate(PROMPTS, **kwargs).sequences == compiled.generate(PROMPTS, **kwargs).sequences
     assert SpeculativeEngine(target, [draft], compile=True)._commit_step is not commit_step
-    stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in compiled.drafters})
-    run = _Run(compiled, PROMPTS, SamplingParams(do_sample=do_sample), [], 64, 3, 0, stats)
-    run.prefill()
-    for _ in range(3):
-        run.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(6):
-            run.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert run.poll() in (True, False)
+    assert _steps_without_synchronising(compiled, SamplingParams(do_sample=do_sample), gamma=3, steps=6).steps == 9
 
 
 def test_sync_every_does_not_change_output():
