@@ -140,7 +140,8 @@ class SpeculativeEngine:
         device, dtype: where and in which precision to load models given as paths
             (default: CUDA if available else CPU; bfloat16 on CUDA, float32 on CPU).
         compile: run decode-step forwards of Llama-family models through ``torch.compile``
-            (fuses small kernels; pays off on a GPU after a one-off compilation per shape).
+            (fuses small kernels; pays off on a GPU after a one-off compilation per shape), and
+            on a GPU the step's bookkeeping after verification too (:func:`commit_step`).
     """
 
     def __init__(
@@ -200,7 +201,9 @@ class SpeculativeEngine:
         # A step's bookkeeping after verification (commit, stop flags, log) is about 25 tiny
         # kernels; compiled, inductor fuses them into a few. Only where the step is replayed as a
         # CUDA graph: elsewhere the compiled function's guards would cost more host time per step.
-        self._commit_step = torch.compile(commit_step, dynamic=False) if self.compile and static_on_gpu else commit_step
+        self._commit_step = commit_step
+        if self.compile and static_on_gpu:
+            self._commit_step = torch.compile(commit_step, dynamic=False)
         self._buffers: _Workspace | None = None
         # Queue the next step before a poll waits for its read-back, so that the device does not
         # idle while the host reads the log and launches the next graphs (SPEC.md §7). On a CPU

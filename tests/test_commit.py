@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flashspec.engine import commit_step
 
@@ -55,3 +57,35 @@ def test_commit_step_cuts_at_eos_and_budget():
     assert state["length"].tolist() == [4, 3, 2] and state["generated"].tolist() == [2, 5, 0]
     assert state["active"].tolist() == [False, False, False]
     assert state["log"][0].tolist() == [6, 2, 3] and state["steps_taken"].item() == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 6), width=st.integers(1, 9), seed=st.integers(0, 10_000))
+def test_commit_step_invariants(batch, width, seed):
+    """For any batch and step width (γ + 1): each active row appends a prefix of its new tokens —
+    at most num_accepted + 1, at most its remaining budget, ending at the first EOS — and nothing
+    else in the buffer changes; inactive rows change nothing; the log entry adds up."""
+    state = _state(batch, width, seed)
+    before = {name: value.clone() for name, value in state.items()}
+    commit_step(**state)
+    taken = state["length"] - before["length"]
+    assert torch.equal(taken, state["generated"] - before["generated"])
+    assert (state["generated"] <= state["max_new_tokens"]).all()
+    accepted = torch.where(before["active"], before["num_accepted"], 0)
+    row = min(seed % 6, 3)  # where the log entry went (its last row once full)
+    assert state["log"][row].tolist() == [int(accepted.sum()), int(before["active"].sum()), int(taken.sum())]
+    assert int(state["steps_taken"]) == int(before["steps_taken"]) + 1
+    for b in range(batch):
+        n, start = int(taken[b]), int(before["length"][b])
+        if not before["active"][b]:
+            assert n == 0 and not state["active"][b]
+            continue
+        assert 1 <= n <= min(int(before["num_accepted"][b]) + 1, width)
+        written = before["new_tokens"][b, :n]
+        assert torch.equal(state["tokens"][b, start:start + n], written)
+        assert torch.equal(state["tokens"][b, :start], before["tokens"][b, :start])
+        assert torch.equal(state["tokens"][b, start + n:], before["tokens"][b, start + n:])
+        eos_at = [j for j, t in enumerate(written.tolist()) if t == 3]
+        assert eos_at in ([], [n - 1])  # an EOS can only be the last token committed
+        finished = bool(eos_at) or int(state["generated"][b]) >= int(before["max_new_tokens"][b])
+        assert bool(state["active"][b]) == (not finished)
