@@ -10,7 +10,8 @@ Table for BENCHMARKS.md:  PYTHONPATH=. python benchmarks/probes/probe10.py --rep
 Each forward measurement runs in its own process.
 The recorded run (probe10_h200.json) is of commit a51f0c1, where StaticLM's ``fuse_linear`` sent
 all four maps of a layer through the kernel; since then only the output projection goes through
-it (``decode_maps = {"o"}``), so re-running part (3) measures that instead."""
+it (session 7's ``decode_maps = {"o"}``; now both ``decode_maps`` and ``decode_maps_wide`` are set
+to it), so re-running part (3) measures that instead."""
 import json, os, statistics, subprocess, sys, time
 
 import torch
@@ -85,7 +86,7 @@ def forward_part(shape: str, fuse: bool, widths: list[int], profile: bool) -> di
 
     lm = StaticLM(bench_gpu.shaped_model(shape), compile=True)
     out = {"fusable": "o" in lm.decode_maps}
-    lm.decode_maps = {"o"} if fuse else set()
+    lm.decode_maps = lm.decode_maps_wide = {"o"} if fuse else set()
     return {**out, **probe9.measure(lm, widths, profile)}
 
 
