@@ -88,6 +88,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from flashspec import pdl  # (absolute: tests load this file on its own as well)
+
 __all__ = [
     "available",
     "decode_attention",
@@ -258,6 +260,7 @@ def _launch(
     else:
         lse = part = out  # unused
     qk_scale = float(scale) * math.log2(math.e)
+    use_pdl = pdl.enabled(query.device)
     _split_kernel[(batch * kv_heads * m_blocks, splits)](
         query, keys, values, positions, out, lse, part,
         kv_heads, rows, width, groups, capacity, dim, m_blocks, splits, split_keys,
@@ -269,7 +272,7 @@ def _launch(
         qk_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split, PRECISION=precision,
         UPCAST=interpreted and query.dtype != torch.float32, INTERPRET=interpreted,
-        NUM_STAGES=NUM_STAGES, num_warps=warps,
+        NUM_STAGES=NUM_STAGES, PDL=use_pdl, num_warps=warps, **pdl.launch_options(query.device),
     )
     if split:
         combine_rows = COMBINE_ROWS if COMBINE_ROWS is not None else (1 if query.is_cuda else 16)
@@ -279,7 +282,7 @@ def _launch(
             positions.stride(0), positions.stride(1),
             o_strides[0], o_strides[1], o_strides[2],
             ROWS=combine_rows, BLOCK_S=_block_s(capacity, keys.device, block_n), BLOCK_D=block_d,
-            num_warps=COMBINE_WARPS,
+            PDL=use_pdl, num_warps=COMBINE_WARPS, **pdl.launch_options(query.device),
         )
     return out
 
@@ -463,8 +466,12 @@ if triton is not None:
         qk_scale,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
         PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Kernel 1: one split of the key axis for one block of query rows of one (b, kv)."""
+        if PDL:  # flashspec.pdl: queries, cache and positions come from earlier kernels
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         bh = pid // m_blocks
         mb = pid - bh * m_blocks
@@ -527,9 +534,12 @@ if triton is not None:
         lse_ptr, part_ptr, pos_ptr, out_ptr,
         H_kv, M, W, G, D, num_splits, split_keys,
         p_sb, p_st, o_sb, o_sh, o_st,
-        ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
         """Kernel 2: ``ROWS`` query rows' split partials → their output rows."""
+        if PDL:  # flashspec.pdl
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
         b = bh // H_kv
         kv = bh - b * H_kv

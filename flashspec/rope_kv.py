@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
 from .attention import _interpreted, _next_pow2, triton
 
 __all__ = ["available", "rope_write_kv", "rope_write_kv_reference"]
@@ -123,7 +124,8 @@ def _launch(
         positions.stride(0), positions.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
-        BLOCK_D=max(16, _next_pow2(dim)), num_warps=1,
+        BLOCK_D=max(16, _next_pow2(dim)), PDL=pdl.enabled(query.device), num_warps=1,
+        **pdl.launch_options(query.device),
     )
     return out
 
@@ -175,8 +177,11 @@ if triton is not None:
         q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
         c_sb, c_st, s_sb, s_st, p_sb, p_st,
         kc_sb, kc_sh, kc_sp, vc_sb, vc_sh, vc_sp,
-        BLOCK_D: tl.constexpr,
+        BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # flashspec.pdl: every input comes from earlier kernels
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bt = tl.program_id(0)
         h = tl.program_id(1)
         b = bt // W
