@@ -83,10 +83,12 @@ class StaticLM:
         # And which linear maps of a decode forward run through flashspec.decode_linear, each
         # with the element-wise work around it folded in (16-bit models; decode_maps for one
         # token row, decode_maps_wide for 2 to 16). Defaults: the maps that beat cuBLAS on both
-        # an H200's Qwen2.5-1.5B and Llama-3-8B shapes (probe 12).
+        # an H200's Qwen2.5-1.5B and Llama-3-8B shapes (probes 12 and 16); q/k/v with its norm
+        # folded in only where the model's norm is the one decode_linear computes.
         self._norms_fusable = _norms_fusable(model)
         sixteen = _sixteen_bit(model)
-        self.decode_maps = frozenset({"o", "down"}) if sixteen else frozenset()
+        one_row = {"qkv", "o", "down"} if self._norms_fusable else {"o", "down"}
+        self.decode_maps = frozenset(one_row) if sixteen else frozenset()
         self.decode_maps_wide = frozenset({"o"}) if sixteen else frozenset()
         self._compiled = None
         if compile:
@@ -107,7 +109,8 @@ class StaticLM:
         decoding, drafting) run through :func:`flashspec.decode_linear.decode_linear`: ``"qkv"``
         (with the input RMSNorm), ``"o"`` (with the residual add), ``"gate_up"`` (with the
         RMSNorm and SiLU·up), ``"down"`` (with the residual add). The rest use cuBLAS and the
-        model's modules. Default ``{"o", "down"}`` for 16-bit models, nothing for float32 ones.
+        model's modules. Default ``{"qkv", "o", "down"}`` for 16-bit models (``{"o", "down"}`` where
+        the model's norm is not the one decode_linear folds in), nothing for float32 ones.
         Forwards of 2 to 16 token rows use :attr:`decode_maps_wide`."""
         return self._decode_maps
 

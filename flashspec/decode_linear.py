@@ -165,8 +165,7 @@ def _launch(
     args = (rows, weight, bias if bias is not None else out, norm_weight if norm_weight is not None else rows,
             res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0), _row_class(m))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-                 GATED=bool(gated), UPCAST=not x.is_cuda, PDL=pdl.enabled(x.device),
-                 PREFETCH=pdl.prefetch(x.device), **pdl.launch_options(x.device))
+                 GATED=bool(gated), UPCAST=not x.is_cuda, PDL=pdl.enabled(x.device), **pdl.launch_options(x.device))
     if x.is_cuda and n * k >= _TUNED_SIZE:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _tuned[grid](*args, **flags)
@@ -281,37 +280,20 @@ if triton is not None:
             y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=out_mask)
 
-    @triton.jit
-    def _prefetch_l2(w_ptr, rn, n_live, w_sn, K, LINES: tl.constexpr = 32):
-        """Ask L2 for weight rows ``rn`` (all ``K`` columns): one ``prefetch.global.L2`` per
-        128-byte line of 16-bit weights, nothing loaded into registers (flashspec.pdl)."""
-        lines = tl.arange(0, LINES) * 64
-        for k0 in range(0, K, LINES * 64):
-            kk = k0 + lines
-            live = n_live[:, None] & (kk < K)[None, :]
-            ptrs = tl.where(live, w_ptr + rn[:, None] * w_sn + kk[None, :], w_ptr)
-            tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
     @triton.jit(do_not_specialize=["M", "eps", "row_class"])
     def _decode_linear_kernel(
         x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
         M, N, K, eps, x_sm, w_sn, row_class,
         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
         USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-        PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program ``i``: output columns ``i·BLOCK_N ..`` of every row (``M ≤ 16``). ``row_class``
         (:func:`_row_class`) is read by the autotuner only. With ``PDL`` (flashspec.pdl) it
-        prefetches its weight rows, then waits for the previous kernel before reading ``x`` or
-        writing anything."""
+        waits for the previous kernel before reading or writing anything."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_live = rn < N
         dtype = y_ptr.dtype.element_ty
-        if PREFETCH:  # weights are never written: safe before the wait
-            _prefetch_l2(w_ptr, rn, n_live, w_sn, K)
-            if GATED:
-                _prefetch_l2(w_ptr, rn + N, n_live, w_sn, K)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()

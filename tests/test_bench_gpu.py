@@ -40,7 +40,7 @@ def test_every_accepted_set_every_round(timer):
     assert all(len(times) == 2 for widths in result["seconds"].values() for times in widths.values())
     assert len(timer) == 2 * len(bench_gpu.DECODE_MAP_SETS) * 2
     assert {maps for maps, _ in timer} == {frozenset(m) for m in bench_gpu.DECODE_MAP_SETS.values()}
-    assert lm.decode_maps == {"o", "down"} and result["default"] == ["down", "o"]
+    assert lm.decode_maps == {"qkv", "o", "down"} and result["default"] == ["down", "o", "qkv"]
     assert lm.decode_maps_wide == {"o"} and result["default_wide"] == ["o"]
     table = "\n".join(bench_gpu._decode_maps_lines(result))
     assert "| all | 5.010 / 5.010 | 5.050 / 5.050 | +396.0%, +381.0% |" in table

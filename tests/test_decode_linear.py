@@ -192,7 +192,7 @@ def test_static_lm_fused_matches_unfused(arch, dtype, maps):
 
     model = _tiny(dtype, arch)
     lm = StaticLM(model)
-    assert lm.decode_maps == {"o", "down"} and lm.decode_maps_wide == {"o"}  # the defaults for 16-bit models
+    assert lm.decode_maps == {"qkv", "o", "down"} and lm.decode_maps_wide == {"o"}  # the 16-bit defaults
     plain, fused = _decode_logits(model, set(), 3), _decode_logits(model, maps, 3)
     tolerance = 2 ** -5 if dtype == torch.bfloat16 else 2 ** -8
     torch.testing.assert_close(fused.float(), plain.float(), atol=tolerance, rtol=tolerance)
@@ -258,6 +258,7 @@ def test_static_lm_decode_maps_are_checked():
     layer = model.model.layers[0]
     layer.post_attention_layernorm = OffsetNorm(layer.post_attention_layernorm)
     lm = StaticLM(model)
+    assert lm.decode_maps == {"o", "down"}  # the default without a norm to fold: no q/k/v
     lm.decode_maps = {"o", "down"}  # no norm folded in: fine
     with pytest.raises(ValueError, match="norm or activation"):
         lm.decode_maps = {"gate_up"}

@@ -1,0 +1,68 @@
+"""flashspec.pdl: programmatic dependent launch changes when the decode kernels start, never what
+they compute (SPEC §7)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashspec import pdl
+
+CUDA = torch.cuda.is_available()
+
+
+def test_off_where_it_cannot_run():
+    assert not pdl.enabled(torch.device("cpu"))
+    assert pdl.launch_options(torch.device("cpu")) == {}
+
+
+def test_switch_off_means_plain_launches(monkeypatch):
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert not pdl.enabled(torch.device("cuda", 0))  # decided before any CUDA query
+    assert pdl.launch_options(torch.device("cuda", 0)) == {}
+
+
+@pytest.mark.parametrize("value,expected", [(None, "True"), ("1", "True"), ("0", "False")])
+def test_environment_variable(value, expected):
+    env = {k: v for k, v in os.environ.items() if k != "FLASHSPEC_PDL"}
+    if value is not None:
+        env["FLASHSPEC_PDL"] = value
+    out = subprocess.run([sys.executable, "-c", "from flashspec import pdl; print(pdl.ENABLED)"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
+
+
+def _forward_logits(lm, width: int) -> list[torch.Tensor]:
+    """Logits of one forward after a 20-token prefill: eagerly, then twice from a CUDA graph."""
+    from flashspec.graphs import Graphs
+
+    lm.reset(1, 64)
+    gen = torch.Generator().manual_seed(width)
+    lm.forward(torch.randint(0, 128, (1, 20), generator=gen).cuda(), torch.zeros(1, dtype=torch.long, device="cuda"))
+    tokens = torch.randint(0, 128, (1, width), generator=gen).cuda()
+    start = torch.full((1,), 20, device="cuda")
+    graphs = Graphs(enabled=True)
+    return [graphs.run("f", lambda: lm.forward(tokens, start)).clone() for _ in range(3)]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("width", [1, 5])
+def test_forward_bit_identical_with_and_without_pdl(monkeypatch, width):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from flashspec.cache import StaticLM
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("this GPU or Triton has no programmatic dependent launch")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    lm = StaticLM(Qwen2ForCausalLM(config).to("cuda", torch.bfloat16).eval())
+    lm.decode_maps = lm.decode_maps_wide = {"qkv", "o", "gate_up", "down"}  # every decode kernel
+    with_pdl = _forward_logits(lm, width)
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    without = _forward_logits(lm, width)
+    for a, b in zip(with_pdl, without):
+        assert torch.equal(a, b)
