@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from . import pdl
 from .bench import DOMAINS, heldout_prompts
 from .cache import StaticLM
 from .engine import SpeculativeEngine
@@ -229,23 +230,29 @@ DECODE_MAP_SETS = {"none": (), "o": ("o",), "o+down": ("o", "down"), "qkv+o+down
 def forward_by_decode_maps(lm: StaticLM, widths: tuple[int, ...], context: int, rounds: int = 2) -> dict:
     """The decode forward's graph-replay time with each set of maps sent through
     :func:`flashspec.decode_linear.decode_linear` (:data:`DECODE_MAP_SETS`, set as both
-    ``decode_maps`` and ``decode_maps_wide``), side by side in this process, ``rounds`` times over
+    ``decode_maps`` and ``decode_maps_wide``; where :mod:`flashspec.pdl` runs, the defaults without
+    it too), side by side in this process, ``rounds`` times over
     so drift between variants shows. Sets the model refuses (a float32 model; a norm decode_linear
     does not reproduce) are left out. The defaults are put back."""
-    default = (lm.decode_maps, lm.decode_maps_wide)
+    default, pdl_setting = (lm.decode_maps, lm.decode_maps_wide), pdl.ENABLED
+    variants: list[tuple[str, Any, Any, bool]] = [(label, maps, maps, True) for label, maps in DECODE_MAP_SETS.items()]
+    if pdl.enabled(next(lm.model.parameters()).device):  # and the defaults without flashspec.pdl
+        variants.append(("defaults, PDL off", *default, False))
     out: dict[str, dict[str, list[float]]] = {}
     try:
         for _ in range(rounds):
-            for label, maps in DECODE_MAP_SETS.items():
+            for label, maps, wide, use_pdl in variants:
                 try:
-                    lm.decode_maps = lm.decode_maps_wide = maps
+                    lm.decode_maps, lm.decode_maps_wide = maps, wide
                 except ValueError:
                     continue
+                pdl.ENABLED = pdl_setting and use_pdl
                 times = out.setdefault(label, {})
                 for width in widths:
                     times.setdefault(str(width), []).append(time_forward(lm, 1, width, context))
     finally:
         lm.decode_maps, lm.decode_maps_wide = default
+        pdl.ENABLED = pdl_setting
     return {"default": sorted(default[0]), "default_wide": sorted(default[1]), "seconds": out}
 
 

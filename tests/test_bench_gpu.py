@@ -51,3 +51,19 @@ def test_refused_sets_are_left_out(timer):
     result = bench_gpu.forward_by_decode_maps(lm, (1,), context=10, rounds=1)
     assert list(result["seconds"]) == ["none"]
     assert lm.decode_maps == lm.decode_maps_wide == frozenset()
+
+
+def test_defaults_without_pdl_where_pdl_runs(monkeypatch):
+    """Where flashspec.pdl is on, the table adds the default maps with PDL off (switched off for
+    those timings only, and back on afterwards)."""
+    from flashspec import pdl
+
+    seen = []
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    monkeypatch.setattr(bench_gpu, "time_forward",
+                        lambda lm, batch, width, context: seen.append((frozenset(lm.decode_maps), pdl.ENABLED)) or 1e-3)
+    lm = _lm(torch.bfloat16)
+    result = bench_gpu.forward_by_decode_maps(lm, (1,), context=10, rounds=1)
+    assert list(result["seconds"])[-1] == "defaults, PDL off"
+    assert seen[-1] == (lm.decode_maps, False) and all(on for _, on in seen[:-1])
+    assert pdl.ENABLED
