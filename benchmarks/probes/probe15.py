@@ -6,6 +6,8 @@ prefetch on, must be bit-identical to the same forward with PDL off.
 token row sends through decode_linear, PDL on or off, the L2 prefetch on or off — alternating,
 two rounds; both shapes.
 (3) A kernel timeline of one 1-token forward of the 1.5B shape, PDL off and on (all maps).
+Ran at commit 222b034; the prefetch was removed afterwards (probe 16, NOTES.md), so at later
+commits the prefetch switch it sets has no effect.
 Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe15.py
 Table for NOTES.md:      PYTHONPATH=. python benchmarks/probes/probe15.py --report benchmarks/probes/probe15_h200.json"""
 import json, os, statistics, sys, time
