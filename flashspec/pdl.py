@@ -15,9 +15,10 @@ decode forward (:mod:`flashspec.decode_linear`, :mod:`flashspec.rope_kv`,
 2. **let the next kernel launch** (``gdc_launch_dependents``), then read the inputs and compute.
 
 Nothing is read or written before the wait, so the arithmetic and every value are unchanged
-(checked bit for bit on an H200: probe 15, and ``tests/test_gpu.py``). Measured side by side
-(probe 16, three rounds, graph replay): the one-token forward of the Qwen2.5-1.5B shape 8–15 %
-faster, of the Llama-3-8B shape 3–4 %. Prefetching the next kernel's weights into L2 before the
+(checked bit for bit on an H200: probe 15, and ``tests/test_pdl.py``). Measured side by side
+(probe 16, three rounds, graph replay): the one-token forward of the Qwen2.5-1.5B shape about
+10 % faster with the default maps, of the Llama-3-8B shape 3 %; the 8B shape's 5-token forward
+2.3 % slower (not understood). Prefetching the next kernel's weights into L2 before the
 wait was tried too and made things slower (probe 15: the prefetched tiles of a 55 MB gate/up or
 a 117 MB down projection evict one another before they are read).
 
