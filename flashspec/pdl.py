@@ -39,7 +39,17 @@ import torch
 
 __all__ = ["ENABLED", "enabled", "launch_options"]
 
-ENABLED: bool = os.environ.get("FLASHSPEC_PDL", "1") != "0"
+
+def _from_environment() -> bool:
+    """``FLASHSPEC_PDL``: unset or ``1`` on, ``0`` off; anything else is refused rather than
+    guessed at."""
+    value = os.environ.get("FLASHSPEC_PDL", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"FLASHSPEC_PDL must be 1 (use programmatic dependent launch) or 0 (do not); got {value!r}")
+    return value == "1"
+
+
+ENABLED: bool = _from_environment()
 
 
 @functools.lru_cache(maxsize=None)

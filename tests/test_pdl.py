@@ -34,6 +34,13 @@ def test_environment_variable(value, expected):
     assert out.stdout.strip() == expected
 
 
+def test_environment_variable_refuses_other_values():
+    env = dict(os.environ, FLASHSPEC_PDL="yes")
+    out = subprocess.run([sys.executable, "-c", "import flashspec.pdl"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "FLASHSPEC_PDL must be 1" in out.stderr and "'yes'" in out.stderr
+
+
 def _forward_logits(lm, width: int) -> list[torch.Tensor]:
     """Logits of one forward after a 20-token prefill: eagerly, then twice from a CUDA graph."""
     from flashspec.graphs import Graphs
