@@ -58,12 +58,12 @@ def test_defaults_without_pdl_where_pdl_runs(monkeypatch):
     those timings only, and back on afterwards)."""
     from flashspec import pdl
 
-    seen = []
+    seen, setting = [], pdl.ENABLED
     monkeypatch.setattr(pdl, "enabled", lambda device: True)
     monkeypatch.setattr(bench_gpu, "time_forward",
                         lambda lm, batch, width, context: seen.append((frozenset(lm.decode_maps), pdl.ENABLED)) or 1e-3)
     lm = _lm(torch.bfloat16)
     result = bench_gpu.forward_by_decode_maps(lm, (1,), context=10, rounds=1)
     assert list(result["seconds"])[-1] == "defaults, PDL off"
-    assert seen[-1] == (lm.decode_maps, False) and all(on for _, on in seen[:-1])
-    assert pdl.ENABLED
+    assert seen[-1] == (lm.decode_maps, False) and all(on == setting for _, on in seen[:-1])
+    assert pdl.ENABLED == setting  # put back as it was

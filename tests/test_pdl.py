@@ -1,5 +1,5 @@
 """flashspec.pdl: programmatic dependent launch changes when the decode kernels start, never what
-they compute (SPEC §7)."""
+they compute (SPEC §3)."""
 
 import os
 import subprocess

@@ -6,6 +6,8 @@ nothing stays in L2), one program per SM or two, with a grid-wide barrier betwee
 (an atomic counter), optionally prefetching its next product's weight rows into L2 before each
 barrier; against the same chain as one decode_linear launch per product in a CUDA graph, and the
 barrier alone.
+Ran at commit 649bbaf; the prefetch switch it turns off (pdl.PREFETCH) was removed right after,
+so at later commits that line has no effect.
 Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe16.py
 Table for NOTES.md:      PYTHONPATH=. python benchmarks/probes/probe16.py --report benchmarks/probes/probe16_h200.json"""
 import json, os, statistics, sys, time
