@@ -18,12 +18,15 @@ sequences, so nothing loops over positions or sequences one by one on the host.
    ``q = 1`` without draft probabilities). A prefix sum of the rejections gives ``n`` (prefix
    only) without a branch. Greedy then writes the tokens; the new one is row ``n``'s argmax.
 4. ``_residual_kernel``, grid ``(B, cdiv(V, CHUNK))``: one slice of row ``n`` and of ``q_n``
-   (one-hot of ``d_n`` without draft probabilities; zero when ``n = k``): the float64 masses of
-   ``r = max(0, p_n − q_n)`` and of ``p_n``, and their last positive indices.
-5. ``_draw_kernel``: the inverse-CDF draw with ``u_k`` from ``r`` (from ``p_n`` when ``r`` has no
-   mass): the chunk masses locate the chunk holding ``u_k · total``, only that chunk is scanned
-   (a float64 prefix sum), and the token is clamped to the last positive index, as
-   :func:`flashspec.sampling.sample` does. It writes the tokens.
+   (one-hot of ``d_n`` without draft probabilities; zero when ``n = k``): the float64 mass of
+   ``r = max(0, p_n − q_n)`` and its last positive index.
+5. ``_draw_kernel``: the inverse-CDF draw with ``u_k`` from ``r``: the chunk masses locate the
+   chunk holding ``u_k · total``, only that chunk is scanned (a float64 prefix sum), and the token
+   is clamped to the last positive index, as :func:`flashspec.sampling.sample` does. When ``r``
+   has no mass (``p_n ≤ q_n`` everywhere, which needs ``p_n == q_n`` up to rounding) the draw is
+   from ``p_n``, whose chunk masses this kernel then computes itself, for those sequences only:
+   one more pass over their row, in a case that practically never occurs. It writes the tokens.
+   (Kernel 4 computed ``p_n``'s masses too until probe 18: half its reductions, for that case.)
 
 top-k and top-p need a sort of every row, which does not stream; for them the logits first go
 through :func:`flashspec.sampling.process_logits` in PyTorch (float32, ``-inf`` for removed
@@ -34,10 +37,11 @@ Memory traffic
 * The logits are read **once** (kernel 1): ``B·(k+1)·V`` elements. That is the floor of any exact
   method, and it is not O(1) in ``V``.
 * Sampling reads row ``n`` of the logits (and of ``q``) once more per sequence (kernel 4) plus
-  one ``CHUNK`` of it (kernel 5): ``≈ B·(V + CHUNK)·(logit + q bytes)``, a ``1/(k+1)`` fraction of
-  the logits on top. Greedy reads no logits again.
+  one ``CHUNK`` of it (kernel 5): ``≈ B·(V + CHUNK)·(logit + q bytes)``, a ``1/(k+1)`` fraction
+  of the logits on top (and row ``n`` once more where ``r`` has no mass). Greedy reads no logits
+  again.
 * Per-row state is O(1) in ``V``; the partial buffers are ``O(V / CHUNK)`` per row (8 bytes per
-  4096 logits, 24 per sequence for the residual); drafts, uniforms, ``q`` at the drafts and the
+  4096 logits, 12 per sequence for the residual); drafts, uniforms, ``q`` at the drafts and the
   outputs are O(k) per sequence.
 * top-k/top-p preprocessing in PyTorch (topk, sort, softmax, cumsum, scatter) materialises
   float32 logits and makes several full passes over ``B·(k+1)·V``; it dominates that mode.
@@ -327,12 +331,12 @@ def _decide_kernel(
 
 @_kernel
 def _residual_kernel(
-    logits_ptr, q_ptr, drafts_ptr, n_ptr, row_m_ptr, row_s_ptr, tot_r_ptr, tot_p_ptr, last_r_ptr, last_p_ptr,
+    logits_ptr, q_ptr, drafts_ptr, n_ptr, row_m_ptr, row_s_ptr, mass_ptr, last_ptr,
     V, B, k1, stride_b, stride_i, num_chunks, temperature, d_sb, d_si, q_sb, q_si,
     HAS_Q: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, MATH: tl.constexpr,
 ):
-    """Kernel 4: one slice of row n of ``ROWS`` sequences — float64 masses of r and p_n and
-    their last positive indices."""
+    """Kernel 4: one slice of row n of ``ROWS`` sequences — the float64 mass of r and its last
+    positive index."""
     b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = b < B
     n = tl.load(n_ptr + b, mask=live, other=0)
@@ -347,47 +351,69 @@ def _residual_kernel(
     idx = (chunk * CHUNK + tl.arange(0, CHUNK))[None, :]
     big_m = tl.load(row_m_ptr + b * k1 + n, mask=live, other=0.0)
     big_s = tl.load(row_s_ptr + b * k1 + n, mask=live, other=1.0)
-    p, r = _row_n(logits_ptr + offset, q_ptr + q_offset, d_n, drafted, temperature, big_m, big_s,
+    _, r = _row_n(logits_ptr + offset, q_ptr + q_offset, d_n, drafted, temperature, big_m, big_s,
                   idx, tl.where(live, V, 0), HAS_Q, MATH)
     out = b * num_chunks + chunk
-    tl.store(tot_r_ptr + out, tl.reduce(r.to(tl.float64), 1, _SUM), mask=live)
-    tl.store(tot_p_ptr + out, tl.reduce(p.to(tl.float64), 1, _SUM), mask=live)
-    tl.store(last_r_ptr + out, tl.reduce(tl.where(r > 0, idx, -1), 1, _MAX), mask=live)
-    tl.store(last_p_ptr + out, tl.reduce(tl.where(p > 0, idx, -1), 1, _MAX), mask=live)
+    tl.store(mass_ptr + out, tl.reduce(r.to(tl.float64), 1, _SUM), mask=live)
+    tl.store(last_ptr + out, tl.reduce(tl.where(r > 0, idx, -1), 1, _MAX), mask=live)
 
 
 @_kernel
 def _draw_kernel(
-    logits_ptr, q_ptr, drafts_ptr, u_ptr, n_ptr, row_m_ptr, row_s_ptr,
-    tot_r_ptr, tot_p_ptr, last_r_ptr, last_p_ptr, tok_out_ptr,
+    logits_ptr, q_ptr, drafts_ptr, u_ptr, n_ptr, row_m_ptr, row_s_ptr, mass_ptr, last_ptr, tok_out_ptr,
     V, B, k1, stride_b, stride_i, num_chunks, temperature, d_sb, d_si, q_sb, q_si, u_sb, u_si,
     HAS_Q: tl.constexpr, SEQS: tl.constexpr, PARTIALS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK: tl.constexpr, KB: tl.constexpr, MATH: tl.constexpr,
 ):
-    """Kernel 5: the inverse-CDF draw from r (or p_n), scanning one chunk per sequence."""
+    """Kernel 5: the inverse-CDF draw from r (from p_n where r has no mass), scanning one chunk
+    per sequence."""
     b = tl.program_id(0).to(tl.int64) * SEQS + tl.arange(0, SEQS)
     live = b < B
     k1 = k1.to(tl.int64)  # scalar index math in int64 (the interpreter checks int32 overflow)
     num_chunks = num_chunks.to(tl.int64)
     start = b * num_chunks
+    n = tl.load(n_ptr + b, mask=live, other=0)
+    drafted = live & (n < k1 - 1)
+    d_n = tl.load(drafts_ptr + b * d_sb + n * d_si, mask=drafted, other=-1)
+    logits_row = logits_ptr + b * stride_b + n * stride_i
+    q_row = q_ptr + b * q_sb + n * q_si
+    big_m = tl.load(row_m_ptr + b * k1 + n, mask=live, other=0.0)
+    big_s = tl.load(row_s_ptr + b * k1 + n, mask=live, other=1.0)
     zero = tl.zeros((SEQS,), tl.float64)
-    total_r = zero
-    total_p = zero
-    last_r = b * 0 - 1
-    last_p = last_r
+    total = zero
+    last = b * 0 - 1
     c0 = num_chunks * 0
     while c0 < num_chunks:
         c = c0 + tl.arange(0, PARTIALS)
         mask = live[:, None] & (c < num_chunks)[None, :]
         at = start[:, None] + c[None, :]
-        total_r += tl.reduce(tl.load(tot_r_ptr + at, mask=mask, other=0.0), 1, _SUM)
-        total_p += tl.reduce(tl.load(tot_p_ptr + at, mask=mask, other=0.0), 1, _SUM)
-        last_r = tl.maximum(last_r, tl.reduce(tl.load(last_r_ptr + at, mask=mask, other=-1), 1, _MAX))
-        last_p = tl.maximum(last_p, tl.reduce(tl.load(last_p_ptr + at, mask=mask, other=-1), 1, _MAX))
+        total += tl.reduce(tl.load(mass_ptr + at, mask=mask, other=0.0), 1, _SUM)
+        last = tl.maximum(last, tl.reduce(tl.load(last_ptr + at, mask=mask, other=-1), 1, _MAX))
         c0 += PARTIALS
-    has_mass = total_r > 0
+
+    # No residual mass: draw from p_n. Its chunk masses replace r's (all zero) for those
+    # sequences; the loop runs only in a program that has one.
+    has_mass = total > 0
+    empty = live & (total <= 0)
+    trips = tl.where(tl.reduce(empty.to(tl.int32), 0, _MAX) > 0, num_chunks, 0)
+    empty_limit = tl.where(empty, V, 0)
+    j = num_chunks * 0
+    while j < trips:
+        mass = zero
+        chunk_last = b * 0 - 1
+        for j0 in range(0, CHUNK, BLOCK):
+            idx = j * CHUNK + (j0 + tl.arange(0, BLOCK))[None, :]
+            p, _ = _row_n(logits_row, q_row, d_n, drafted, temperature, big_m, big_s, idx, empty_limit, HAS_Q, MATH)
+            mass += tl.reduce(p.to(tl.float64), 1, _SUM)
+            chunk_last = tl.maximum(chunk_last, tl.reduce(tl.where(p > 0, idx, -1), 1, _MAX))
+        tl.store(mass_ptr + start + j, mass, mask=empty)
+        tl.store(last_ptr + start + j, chunk_last, mask=empty)
+        total = tl.where(empty, total + mass, total)
+        last = tl.where(empty, tl.maximum(last, chunk_last), last)
+        j += 1
+    tl.debug_barrier()  # the stores above are read back below, by other threads of this program
     u_final = tl.load(u_ptr + b * u_sb + (k1 - 1) * u_si, mask=live, other=0.0)
-    threshold = u_final * tl.where(has_mass, total_r, total_p)
+    threshold = u_final * total
 
     # c*: the number of chunks whose cumulative mass is <= the threshold; "before" is the mass
     # of the chunks before c*.
@@ -399,9 +425,7 @@ def _draw_kernel(
         c = c0 + tl.arange(0, PARTIALS)
         mask = live[:, None] & (c < num_chunks)[None, :]
         at = start[:, None] + c[None, :]
-        mass = tl.where(has_mass[:, None], tl.load(tot_r_ptr + at, mask=mask, other=0.0),
-                        tl.load(tot_p_ptr + at, mask=mask, other=0.0))
-        cdf = carry[:, None] + tl.associative_scan(mass, 1, _SUM)
+        cdf = carry[:, None] + tl.associative_scan(tl.load(mass_ptr + at, mask=mask, other=0.0), 1, _SUM)
         below = mask & (cdf <= threshold[:, None])
         c_star += tl.reduce(below.to(tl.int64), 1, _SUM)
         before = tl.maximum(before, tl.reduce(tl.where(below, cdf, 0.0), 1, _MAX))
@@ -410,14 +434,6 @@ def _draw_kernel(
     found = live & (c_star < num_chunks)
 
     # Scan chunk c*: count its cumulative weights <= the threshold.
-    n = tl.load(n_ptr + b, mask=live, other=0)
-    drafted = live & (n < k1 - 1)
-    drafts_row = drafts_ptr + b * d_sb
-    d_n = tl.load(drafts_row + n * d_si, mask=drafted, other=-1)
-    logits_row = logits_ptr + b * stride_b + n * stride_i
-    q_row = q_ptr + b * q_sb + n * q_si
-    big_m = tl.load(row_m_ptr + b * k1 + n, mask=live, other=0.0)
-    big_s = tl.load(row_s_ptr + b * k1 + n, mask=live, other=1.0)
     first = c_star * CHUNK
     carry = before
     count = b * 0
@@ -431,9 +447,8 @@ def _draw_kernel(
     # Clamp to the last positive index: of chunk c* (chunk and element sums may round apart), or
     # of the whole row when the threshold lies past every chunk (u * total rounded up to total).
     c_last = start + tl.minimum(c_star, num_chunks - 1)
-    last_in_chunk = tl.where(has_mass, tl.load(last_r_ptr + c_last, mask=live, other=-1),
-                             tl.load(last_p_ptr + c_last, mask=live, other=-1))
-    final = tl.where(found, tl.minimum(first + count, last_in_chunk), tl.where(has_mass, last_r, last_p))
+    last_in_chunk = tl.load(last_ptr + c_last, mask=live, other=-1)
+    final = tl.where(found, tl.minimum(first + count, last_in_chunk), last)
     _write_tokens(drafts_ptr, b, d_sb, d_si, tok_out_ptr, live, k1, n, final, KB)
 
 
@@ -455,12 +470,13 @@ def _tiles(vocab: int) -> dict[str, int]:
     chunk = min(CHUNK_MAX, max(16, _next_power_of_2(vocab)))
     num_chunks = -(-vocab // chunk)
     scan = min(chunk, SCAN_BLOCK)
+    partials = min(PARTIAL_BLOCK, _next_power_of_2(num_chunks))
     return {
         "chunk": chunk,
         "num_chunks": num_chunks,
-        "partials": min(PARTIAL_BLOCK, _next_power_of_2(num_chunks)),
+        "partials": partials,
         "rows": max(1, TILE // chunk),
-        "fold_rows": max(32, min(1024, TILE // min(PARTIAL_BLOCK, _next_power_of_2(num_chunks)))),
+        "fold_rows": max(32, min(1024, TILE // partials)),
         "seqs": max(SEQ_TILE, min(TILE // chunk, 256)),
         "scan": scan,
         "draw_seqs": max(1, SCAN_BLOCK // scan),
@@ -549,17 +565,15 @@ def verify_triton(
         if greedy:
             return num_accepted, tokens
 
-        tot_r = torch.empty((batch, num_chunks), dtype=torch.float64, device=device)
-        tot_p = torch.empty((batch, num_chunks), dtype=torch.float64, device=device)
-        last_r = torch.empty((batch, num_chunks), dtype=torch.int32, device=device)
-        last_p = torch.empty((batch, num_chunks), dtype=torch.int32, device=device)
+        mass = torch.empty((batch, num_chunks), dtype=torch.float64, device=device)  # of r per chunk
+        last = torch.empty((batch, num_chunks), dtype=torch.int32, device=device)  # last index r > 0
         shape_args = (vocab, batch, k1, stride_b, stride_i, num_chunks, temperature, *d_strides, *q_strides)
         _residual_kernel[(triton.cdiv(batch, tiles["rows"]), num_chunks)](
-            logits, q, drafts, num_accepted, row_m, row_x, tot_r, tot_p, last_r, last_p, *shape_args,
+            logits, q, drafts, num_accepted, row_m, row_x, mass, last, *shape_args,
             HAS_Q=has_q, ALIGNED=aligned_q, ROWS=tiles["rows"], CHUNK=chunk, MATH=math_mode, num_warps=CHUNK_WARPS,
         )
         _draw_kernel[(triton.cdiv(batch, tiles["draw_seqs"]),)](
-            logits, q, drafts, u, num_accepted, row_m, row_x, tot_r, tot_p, last_r, last_p, tokens,
+            logits, q, drafts, u, num_accepted, row_m, row_x, mass, last, tokens,
             *shape_args, *u_strides, HAS_Q=has_q, SEQS=tiles["draw_seqs"], PARTIALS=tiles["partials"], CHUNK=chunk,
             BLOCK=tiles["scan"], KB=kb, MATH=math_mode, num_warps=DRAW_WARPS,
         )

@@ -226,6 +226,26 @@ def test_zero_mass_residual_falls_back_to_p():
         assert r.num_accepted.tolist() == [0]
 
 
+@pytest.mark.parametrize("vocab", [1000, 2 * 4096 + 37], ids=["4 sequences per draw program", "3 chunks"])
+def test_zero_mass_fallback_beside_sequences_with_mass(vocab):
+    """The draw kernel computes p_n's chunk masses itself for sequences whose residual has no
+    mass; sequences with mass in the same program (small V) or batch keep drawing from r."""
+    params = SamplingParams(do_sample=True, temperature=0.8)
+    g = torch.Generator().manual_seed(vocab)
+    batch = 4
+    target = torch.randn(batch, 2, vocab, generator=g) * 3
+    p = probabilities(target, params)
+    q = probabilities(torch.randn(batch, 1, vocab, generator=g) * 3, params)
+    empty = torch.tensor([True, False, True, False])
+    q[empty] = p[empty, :1] * (1 + 1e-5)  # q slightly above p everywhere: no residual mass
+    drafts = torch.zeros(batch, 1, dtype=torch.long)
+    for u_final in [0.0, 0.37, 0.999999]:
+        u = torch.tensor([[1 - 1e-7, u_final]] * batch, dtype=torch.float64)
+        move = lambda t: t.to(DEVICE)  # noqa: E731
+        r = both(move(target), move(drafts), move(q), params, move(u))
+        assert r.num_accepted[empty.to(DEVICE)].tolist() == [0, 0]
+
+
 @st.composite
 def cases(draw):
     batch = draw(st.integers(1, 4))
