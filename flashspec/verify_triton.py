@@ -97,6 +97,7 @@ SEQ_WARPS = 2
 POSITION_BLOCK = 16  # positions per step of kernels 3 and 5 (one step while k < 16)
 SCAN_BLOCK = 4096  # logits per step of kernel 5's scan inside one chunk (one step)
 DRAW_WARPS = 8
+FOLD_WARPS = 4  # kernel 2
 PARTIAL_BLOCK = 64  # partials folded per step (one step while V <= 64 * CHUNK)
 FAST_EXP = True  # the hardware exp approximation; False: libdevice's expf, as PyTorch (slower)
 _INT_MAX = tl.constexpr(2147483647)
@@ -555,7 +556,7 @@ def verify_triton(
         )
         _rows_kernel[(triton.cdiv(rows, tiles["fold_rows"]),)](
             part_m, part_x, row_m, row_x, rows, num_chunks,
-            GREEDY=greedy, ROWS=tiles["fold_rows"], PARTIALS=tiles["partials"], MATH=math_mode, num_warps=4,
+            GREEDY=greedy, ROWS=tiles["fold_rows"], PARTIALS=tiles["partials"], MATH=math_mode, num_warps=FOLD_WARPS,
         )
         _decide_kernel[(triton.cdiv(batch, seqs),)](
             logits, row_m, row_x, drafts, q, u, num_accepted, tokens,
