@@ -10,8 +10,8 @@ sequences, so nothing loops over positions or sequences one by one on the host.
    of a logits row, once, in the logits' own dtype, and writes one partial: greedy, the slice's
    maximum and the first index reaching it; sampling, the maximum ``m`` of ``z = logit / T`` (in
    float32) and ``s = Σ exp(z − m)`` (an all ``-inf`` slice gives ``m = -inf, s = 0``, no NaN).
-2. ``_rows_kernel``: folds each row's partials into the row's argmax (first index of the
-   maximum, as ``torch.argmax``) or its log-sum-exp pair ``(M, S)``.
+2. ``_rows_kernel``, ``FOLD_ROWS`` rows per program: folds each row's partials into the row's
+   argmax (first index of the maximum, as ``torch.argmax``) or its log-sum-exp pair ``(M, S)``.
 3. ``_decide_kernel``: per sequence, all positions at once (16 per step): greedy accepts
    ``d_i == argmax_i``; sampling loads the one logit at each draft and accepts
    ``u_i · q_i(d_i) < p_i(d_i)`` in float64 (``p = exp(z − M) / S`` in float32, as ``softmax``;
@@ -26,7 +26,7 @@ sequences, so nothing loops over positions or sequences one by one on the host.
    has no mass (``p_n ≤ q_n`` everywhere, which needs ``p_n == q_n`` up to rounding) the draw is
    from ``p_n``, whose chunk masses this kernel then computes itself, for those sequences only:
    one more pass over their row, in a case that practically never occurs. It writes the tokens.
-   (Kernel 4 computed ``p_n``'s masses too until probe 18: half its reductions, for that case.)
+   (Until probe 18 kernel 4 also summed ``p_n`` for that case: twice the reductions, always.)
 
 top-k and top-p need a sort of every row, which does not stream; for them the logits first go
 through :func:`flashspec.sampling.process_logits` in PyTorch (float32, ``-inf`` for removed
@@ -97,7 +97,8 @@ SEQ_WARPS = 2
 POSITION_BLOCK = 16  # positions per step of kernels 3 and 5 (one step while k < 16)
 SCAN_BLOCK = 4096  # logits per step of kernel 5's scan inside one chunk (one step)
 DRAW_WARPS = 8
-FOLD_WARPS = 4  # kernel 2
+FOLD_ROWS = 4  # rows per program of kernel 2 (probe 19: 4-10 µs faster than ~4096-value tiles)
+FOLD_WARPS = 1
 PARTIAL_BLOCK = 64  # partials folded per step (one step while V <= 64 * CHUNK)
 FAST_EXP = True  # the hardware exp approximation; False: libdevice's expf, as PyTorch (slower)
 _INT_MAX = tl.constexpr(2147483647)
@@ -477,7 +478,6 @@ def _tiles(vocab: int) -> dict[str, int]:
         "num_chunks": num_chunks,
         "partials": partials,
         "rows": max(1, TILE // chunk),
-        "fold_rows": max(32, min(1024, TILE // partials)),
         "seqs": max(SEQ_TILE, min(TILE // chunk, 256)),
         "scan": scan,
         "draw_seqs": max(1, SCAN_BLOCK // scan),
@@ -554,9 +554,9 @@ def verify_triton(
             logits, part_m, part_x, vocab, rows, k1, stride_b, stride_i, num_chunks, temperature,
             GREEDY=greedy, ALIGNED=aligned, ROWS=tiles["rows"], CHUNK=chunk, MATH=math_mode, num_warps=CHUNK_WARPS,
         )
-        _rows_kernel[(triton.cdiv(rows, tiles["fold_rows"]),)](
+        _rows_kernel[(triton.cdiv(rows, FOLD_ROWS),)](
             part_m, part_x, row_m, row_x, rows, num_chunks,
-            GREEDY=greedy, ROWS=tiles["fold_rows"], PARTIALS=tiles["partials"], MATH=math_mode, num_warps=FOLD_WARPS,
+            GREEDY=greedy, ROWS=FOLD_ROWS, PARTIALS=tiles["partials"], MATH=math_mode, num_warps=FOLD_WARPS,
         )
         _decide_kernel[(triton.cdiv(batch, seqs),)](
             logits, row_m, row_x, drafts, q, u, num_accepted, tokens,

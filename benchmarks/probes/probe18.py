@@ -3,6 +3,8 @@ moving p_n's masses out of the residual kernel (4 kernels for sampling, 2 for gr
 the five-kernel version of commit ce5172a (`verify_triton_ce5172a.py`, a verbatim copy), side by
 side at probe 17's points: graph-replay µs, per-kernel profile of the new version, and tokens
 against the PyTorch reference for both.
+The version it times is `verify_triton_probe18.py` (a verbatim copy of the working tree then): the
+residual/draw change was kept (commit 42c3f4d), the fused decide kernel was not (slower, see NOTES).
 Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe18.py
 Table for NOTES.md:      PYTHONPATH=. python benchmarks/probes/probe18.py --report benchmarks/probes/probe18_h200.json"""
 import importlib.util, json, math, os, sys, time
@@ -10,7 +12,7 @@ from collections import defaultdict
 
 import torch
 
-from flashspec import bench_kernels as bk, verify_triton as vt
+from flashspec import bench_kernels as bk
 from flashspec.verify import verify
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -18,16 +20,16 @@ POINTS = [(v, b, g, m) for v in (32000, 151936) for (b, g) in ((1, 4), (256, 1),
           for m in ("greedy", "temperature")]
 
 
-def _old():
-    path = os.path.join(os.path.dirname(__file__), "verify_triton_ce5172a.py")
-    spec = importlib.util.spec_from_file_location("flashspec._verify_triton_ce5172a", path)
+def _load(name):
+    path = os.path.join(os.path.dirname(__file__), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"flashspec._{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def main() -> None:
-    old = _old()
+    old, new = _load("verify_triton_ce5172a"), _load("verify_triton_probe18")
     out = {"copy_bw": bk.measure_copy_bandwidth(), "points": {}}
     gen = torch.Generator(device="cuda").manual_seed(2)
     begin = time.time()
@@ -39,17 +41,17 @@ def main() -> None:
         sets = [first] + [bk._make_set(batch, gamma, vocab, params, "cuda", gen) for _ in range(n_sets - 1)]
         ref = verify(*first[:3], params, first[3], backend="reference")
         row = {"bytes": bk._minimal_bytes(batch, gamma, vocab, mode)}
-        for label, fn in (("old", old.verify_triton), ("new", vt.verify_triton)):
+        for label, fn in (("old", old.verify_triton), ("new", new.verify_triton)):
             n, tokens = fn(*first[:3], params, first[3])
             row[f"{label}_match"] = bool(torch.equal(n, ref.num_accepted) and torch.equal(tokens, ref.tokens))
         for rnd in range(2):
-            for label, fn in (("old", old.verify_triton), ("new", vt.verify_triton)):
+            for label, fn in (("old", old.verify_triton), ("new", new.verify_triton)):
                 calls = [lambda s=s, fn=fn: fn(*s[:3], params, s[3]) for s in sets]
                 row.setdefault(f"{label}_us", []).append(round(bk._graph_timed(calls) * 1e6, 2))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for i in range(2 * n_sets):
                 s = sets[i % n_sets]
-                vt.verify_triton(*s[:3], params, s[3])
+                new.verify_triton(*s[:3], params, s[3])
             torch.cuda.synchronize()
         per = defaultdict(float)
         for e in prof.events():

@@ -2,8 +2,12 @@
 few KB of partials: its tiles hold 32–512 rows × up to 64 partials (~4096 values) per program,
 so a call has 1–36 programs. Here: rows per program (fold_rows) and warps, side by side in graph
 replay, at the points that miss 60 % of copy bandwidth.
-Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe19.py"""
-import json, math, os, time
+Ran at commit 7edf5f4 (fold_rows in `_tiles`, `FOLD_WARPS`); right after, the winner became
+`FOLD_ROWS = 4`, `FOLD_WARPS = 1` and `_tiles` lost its `fold_rows`, so at later commits the
+rows override here has no effect.
+Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe19.py
+Table for NOTES.md:      PYTHONPATH=. python benchmarks/probes/probe19.py --report benchmarks/probes/probe19_h200.json"""
+import json, math, os, sys, time
 
 import torch
 
@@ -45,5 +49,21 @@ def main() -> None:
     print("probe19 done", flush=True)
 
 
+def report(path: str) -> str:
+    data = json.load(open(path))
+    bw = data["copy_bw"]
+    labels = list(VARIANTS)
+    lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s; graph-replay µs per call (of copy bandwidth)", "",
+             "| V | B | γ | mode | " + " | ".join(labels) + " |", "|---|---|---|---|" + "---|" * len(labels)]
+    for key, row in data["points"].items():
+        cells = [f"{row[l]['us']:.1f} ({row['bytes'] / (row[l]['us'] * 1e-6) / bw:.0%}){'' if row[l]['match'] else ' ≠'}"
+                 for l in labels]
+        lines.append(f"| {' | '.join(key.split('|'))} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--report":
+        print(report(sys.argv[2]))
+    else:
+        main()

@@ -1,0 +1,580 @@
+"""The Triton backend of :func:`flashspec.verify.verify`: the rule of SPEC.md §2, fused.
+
+Design
+------
+Rows are the ``B·(k+1)`` target positions, ``V`` the vocabulary, ``CHUNK = 4096`` (smaller only
+when ``V`` is). Greedy runs kernels 1–2, sampling 1–4; every kernel handles a tile of rows or
+sequences, so nothing loops over positions or sequences one by one on the host.
+
+1. ``_partials_kernel``, grid ``(rows, cdiv(V, CHUNK))``: each program reads one ``CHUNK`` slice
+   of a logits row, once, in the logits' own dtype, and writes one partial: greedy, the slice's
+   maximum and the first index reaching it; sampling, the maximum ``m`` of ``z = logit / T`` (in
+   float32) and ``s = Σ exp(z − m)`` (an all ``-inf`` slice gives ``m = -inf, s = 0``, no NaN).
+2. ``_decide_kernel``: per sequence, all positions at once (16 per step). It first folds each
+   row's partials into the row's argmax (first index of the maximum, as ``torch.argmax``) or its
+   log-sum-exp pair ``(M, S)`` (stored for kernels 3–4). Greedy accepts ``d_i == argmax_i``;
+   sampling loads the one logit at each draft and accepts ``u_i · q_i(d_i) < p_i(d_i)`` in
+   float64 (``p = exp(z − M) / S`` in float32, as ``softmax``; ``q = 1`` without draft
+   probabilities). A prefix sum of the rejections gives ``n`` (prefix only) without a branch.
+   Greedy then writes the tokens; the new one is row ``n``'s argmax.
+3. ``_residual_kernel``, grid ``(B, cdiv(V, CHUNK))``: one slice of row ``n`` and of ``q_n``
+   (one-hot of ``d_n`` without draft probabilities; zero when ``n = k``): the float64 mass of
+   ``r = max(0, p_n − q_n)`` and its last positive index.
+4. ``_draw_kernel``: the inverse-CDF draw with ``u_k`` from ``r``: the chunk masses locate the
+   chunk holding ``u_k · total``, only that chunk is scanned (a float64 prefix sum), and the token
+   is clamped to the last positive index, as :func:`flashspec.sampling.sample` does. When ``r``
+   has no mass (``p_n ≤ q_n`` everywhere, which needs ``p_n == q_n`` up to rounding) the draw is
+   from ``p_n``, whose chunk masses this kernel then computes itself, for those sequences only:
+   one more pass over their row, in a case that practically never occurs. It writes the tokens.
+
+top-k and top-p need a sort of every row, which does not stream; for them the logits first go
+through :func:`flashspec.sampling.process_logits` in PyTorch (float32, ``-inf`` for removed
+tokens) and the same kernels run on that with ``T = 1``. Exact, but slower.
+
+Memory traffic
+--------------
+* The logits are read **once** (kernel 1): ``B·(k+1)·V`` elements. That is the floor of any exact
+  method, and it is not O(1) in ``V``.
+* Sampling reads row ``n`` of the logits (and of ``q``) once more per sequence (kernel 3) plus
+  one ``CHUNK`` of it (kernel 4): ``≈ B·(V + CHUNK)·(logit + q bytes)``, a ``1/(k+1)`` fraction
+  of the logits on top (and row ``n`` once more where ``r`` has no mass). Greedy reads no logits
+  again.
+* Per-row state is O(1) in ``V``; the partial buffers are ``O(V / CHUNK)`` per row (8 bytes per
+  4096 logits, 12 per sequence for the residual); drafts, uniforms, ``q`` at the drafts and the
+  outputs are O(k) per sequence.
+* top-k/top-p preprocessing in PyTorch (topk, sort, softmax, cumsum, scatter) materialises
+  float32 logits and makes several full passes over ``B·(k+1)·V``; it dominates that mode.
+
+Properties
+----------
+* Same law as the reference; given the same uniforms the same tokens and accept lengths, except
+  where a decision lies within float rounding of its boundary: ``exp`` (the hardware
+  approximation unless ``FAST_EXP = False``) and the order of the float32 sums differ from
+  PyTorch's by a few ulps. With a large vocabulary an inverse-CDF draw has ``~V`` boundaries, so
+  such flips become measurable: 1–2 sequences in 1,000 at ``V = 128256`` (γ = 4, T = 0.7), each within
+  ~2e-7 (relative) of its boundary (:func:`flashspec.bench_kernels.parity_stress`); any two float32 softmax implementations
+  that sum in different orders can disagree so. Greedy compares raw logits exactly: identical.
+* No host synchronisation: outputs and buffers are ``torch.empty`` on the logits' device and no
+  value is read back, so a call can be captured in a CUDA graph.
+* No recompilation per batch size or ``k``: ``B``, ``k``, strides, ``T`` and the chunk count are
+  runtime arguments excluded from specialisation, and tile sizes depend on ``V`` only.
+  Compilations depend on the dtypes, the mode, whether ``q`` is given, the 16-alignment of the
+  strides and ``V``'s divisibility class (and ``CHUNK``/tiles for ``V < 4096``).
+  :func:`compiled_variants` counts them.
+* Draft ids outside ``[0, V)`` are rejected rather than read (the reference raises instead).
+
+Interpreter notes: the kernels also run under ``TRITON_INTERPRET=1`` on CPU tensors (that is how
+CI tests them; ``T`` is then applied by division, as PyTorch does on the CPU, while on CUDA it is
+a product with ``float32(1/T)``, as PyTorch does there). To keep that fast, reductions call
+``tl.reduce``/``tl.associative_scan`` with Triton's own combine functions (compiled, identical to
+``tl.max``/``tl.sum``/``tl.cumsum``), helpers are plain functions under the interpreter, and index
+math is int64; loops over runtime bounds are ``while`` loops (the 3.6 interpreter cannot
+``range`` to a runtime int with numpy >= 2.4) and masks never combine a block with a scalar bool
+(the interpreter mistypes that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .sampling import SamplingParams, process_logits
+
+__all__ = ["compiled_variants", "verify_triton"]
+
+CHUNK_MAX = 4096  # logits per row and program of kernels 1 and 3 (8 KiB of bf16)
+TILE = 4096  # small vocabularies: rows per program so that a tile holds ~TILE logits
+CHUNK_WARPS = 4
+DECIDE_TILE = 4096  # partials folded per step of kernel 2: sequences × POSITION_BLOCK × partials
+DECIDE_WARPS = 4
+POSITION_BLOCK = 16  # positions per step of kernels 2 and 4 (one step while k < 16)
+SCAN_BLOCK = 4096  # logits per step of kernel 4's scan inside one chunk (one step)
+DRAW_WARPS = 8
+PARTIAL_BLOCK = 64  # partials folded per step (one step while V <= 64 * CHUNK)
+FAST_EXP = True  # the hardware exp approximation; False: libdevice's expf, as PyTorch (slower)
+_INT_MAX = tl.constexpr(2147483647)
+_NEG_INF = tl.constexpr(float("-inf"))
+
+_MAX = tl.standard._elementwise_max
+_MIN = tl.standard._elementwise_min
+_SUM = tl.standard._sum_combine
+
+# Runtime arguments that must not make new compilations (Triton would otherwise specialise
+# ints equal to 1 and divisibility by 16).
+_RUNTIME = ["B", "n_rows", "k1", "stride_b", "stride_i", "num_chunks", "temperature", "d_sb", "d_si",
+            "q_sb", "q_si", "u_sb", "u_si"]
+
+
+def _interpreted() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _device_fn(fn):
+    """``@triton.jit`` for a helper, except under the interpreter, where a plain function runs
+    the same code without the interpreter's ~1 ms cost per nested jit call."""
+    return fn if _interpreted() else triton.jit(fn)
+
+
+_kernel = triton.jit(do_not_specialize=_RUNTIME)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers. Every program handles a tile of rows or sequences ([S] vectors, [S, C] tiles); with
+# a large vocabulary S is 1 where the work per row is large.
+# ----------------------------------------------------------------------------------------------
+
+
+@_device_fn
+def _fold_argmax(m_ptr, x_ptr, parts, live, num_chunks, PARTIALS: tl.constexpr):
+    """Rows' maximum and first argmax from their chunk partials at ``parts [S, P]`` (in order)."""
+    best = tl.load(m_ptr + parts, mask=live, other=_NEG_INF)
+    best_idx = tl.load(x_ptr + parts, mask=live, other=0)
+    c0 = num_chunks * 0
+    while c0 < num_chunks:
+        c = (c0 + tl.arange(0, PARTIALS))[None, None, :]
+        mask = live[:, :, None] & (c < num_chunks)
+        m = tl.load(m_ptr + parts[:, :, None] + c, mask=mask, other=_NEG_INF)
+        x = tl.load(x_ptr + parts[:, :, None] + c, mask=mask, other=_INT_MAX)
+        block_best = tl.reduce(m, 2, _MAX)
+        block_idx = tl.reduce(tl.where(mask & (m == block_best[:, :, None]), x, _INT_MAX), 2, _MIN)
+        better = block_best > best
+        best_idx = tl.where(better, block_idx, best_idx)
+        best = tl.where(better, block_best, best)
+        c0 += PARTIALS
+    return best, best_idx
+
+
+@_device_fn
+def _fold_logsumexp(m_ptr, s_ptr, parts, live, num_chunks, PARTIALS: tl.constexpr, MATH: tl.constexpr):
+    """Rows' ``(M, S)``, ``S = Σ exp(z − M)``, from their chunk partials at ``parts [S, P]``."""
+    big_m = tl.load(m_ptr + parts, mask=live, other=0.0)
+    big_s = tl.load(s_ptr + parts, mask=live, other=0.0) * 0.0  # (big_m * 0 is NaN at -inf)
+    c0 = num_chunks * 0
+    while c0 < num_chunks:
+        c = (c0 + tl.arange(0, PARTIALS))[None, None, :]
+        mask = live[:, :, None] & (c < num_chunks)
+        m = tl.load(m_ptr + parts[:, :, None] + c, mask=mask, other=_NEG_INF)
+        s = tl.load(s_ptr + parts[:, :, None] + c, mask=mask, other=0.0)
+        new_m = tl.maximum(big_m, tl.reduce(m, 2, _MAX))
+        safe = tl.where(new_m == _NEG_INF, 0.0, new_m)
+        big_s = big_s * _exp(big_m - safe, MATH) + tl.reduce(s * _exp(m - safe[:, :, None], MATH), 2, _SUM)
+        big_m = new_m
+        c0 += PARTIALS
+    return big_m, big_s
+
+
+@_device_fn
+def _exp(x, MATH: tl.constexpr):
+    """``exp`` as PyTorch computes it: libdevice's ``expf`` on CUDA (MATH 1), the hardware
+    approximation (MATH 2, faster, a few ulps off), numpy's under the interpreter (MATH 0)."""
+    if MATH == 1:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@_device_fn
+def _scale(x, temperature, MATH: tl.constexpr):
+    """``float32(x) / T`` as PyTorch computes it: a division on the CPU (MATH 0); on CUDA a
+    product with ``temperature = float32(1 / T)``, as ``tensor / python_float`` does there."""
+    if MATH == 0:
+        return tl.math.div_rn(x.to(tl.float32), temperature)
+    else:
+        return x.to(tl.float32) * temperature
+
+
+@_device_fn
+def _target_prob(x, temperature, big_m, big_s, MATH: tl.constexpr):
+    """``p = exp(z − M) / S`` in float32 with ``z`` from :func:`_scale`, as ``softmax``."""
+    return tl.math.div_rn(_exp(_scale(x, temperature, MATH) - big_m, MATH), big_s)
+
+
+@_device_fn
+def _row_n(logits_row, q_row, d_n, drafted, temperature, big_m, big_s, idx, limit, HAS_Q: tl.constexpr,
+           MATH: tl.constexpr):
+    """``(p_n, max(0, p_n − q_n))`` at ``idx [S or 1, C]`` of the rows at ``logits_row [S]``,
+    zero at ``idx >= limit [S]`` (not read there); ``q_n`` is zero unless ``drafted``."""
+    x = tl.load(logits_row[:, None] + idx, mask=idx < limit[:, None], other=_NEG_INF)
+    p = _target_prob(x, temperature, big_m[:, None], big_s[:, None], MATH)
+    if HAS_Q:
+        q_mask = idx < tl.where(drafted, limit, 0)[:, None]
+        q = tl.load(q_row[:, None] + idx, mask=q_mask, other=0.0).to(tl.float32)
+    else:
+        q = tl.where(idx == d_n[:, None], 1.0, 0.0)  # one-hot of d_n; d_n = -1 when n == k
+    return p, tl.maximum(p - q, 0.0)
+
+
+@_device_fn
+def _write_tokens(drafts_ptr, b, d_sb, d_si, tok_ptr, live, k1, n, final, KB: tl.constexpr):
+    """``tokens[b] = d_0..d_{n-1}, final, -1, ...`` for the sequences ``b [S]``, ``KB``
+    positions at a time."""
+    p0 = k1 * 0
+    while p0 < k1:
+        cols = p0 + tl.arange(0, KB)
+        is_draft = live[:, None] & (cols < k1 - 1)[None, :]
+        d = tl.load(drafts_ptr + (b * d_sb)[:, None] + cols[None, :] * d_si, mask=is_draft, other=-1)
+        token = tl.where(cols[None, :] < n[:, None], d, tl.where(cols[None, :] == n[:, None], final[:, None], -1))
+        tl.store(tok_ptr + (b * k1)[:, None] + cols[None, :], token, mask=live[:, None] & (cols < k1)[None, :])
+        p0 += KB
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@_kernel
+def _partials_kernel(
+    logits_ptr, part_m_ptr, part_x_ptr, V, n_rows, k1, stride_b, stride_i, num_chunks, temperature,
+    GREEDY: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, MATH: tl.constexpr,
+):
+    """Kernel 1: one slice of ``ROWS`` rows → (max, first argmax) or (max z, Σ exp(z − max))."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = rows < n_rows
+    b = rows // k1
+    offset = b * stride_b + (rows - b * k1) * stride_i
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 16)
+    chunk = tl.program_id(1)
+    idx = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = live[:, None] & (idx < V)[None, :]
+    x = tl.load(logits_ptr + offset[:, None] + idx[None, :], mask=mask, other=_NEG_INF).to(tl.float32)
+    out = rows * num_chunks + chunk
+    if GREEDY:
+        m = tl.reduce(x, 1, _MAX)
+        first = tl.reduce(tl.where(x == m[:, None], idx[None, :], _INT_MAX), 1, _MIN)
+        tl.store(part_m_ptr + out, m, mask=live)
+        tl.store(part_x_ptr + out, first, mask=live)
+    else:
+        z = _scale(x, temperature, MATH)
+        m = tl.reduce(z, 1, _MAX)
+        safe = tl.where(m == _NEG_INF, 0.0, m)
+        tl.store(part_m_ptr + out, m, mask=live)
+        tl.store(part_x_ptr + out, tl.reduce(_exp(z - safe[:, None], MATH), 1, _SUM), mask=live)
+
+
+@_kernel
+def _decide_kernel(
+    logits_ptr, part_m_ptr, part_x_ptr, row_m_ptr, row_s_ptr, drafts_ptr, q_ptr, u_ptr, n_out_ptr, tok_out_ptr,
+    V, B, k1, num_chunks, stride_b, stride_i, temperature, d_sb, d_si, q_sb, q_si, u_sb, u_si,
+    GREEDY: tl.constexpr, HAS_Q: tl.constexpr, SEQS: tl.constexpr, KB: tl.constexpr, PARTIALS: tl.constexpr,
+    MATH: tl.constexpr,
+):
+    """Kernel 2: the accept tests of ``SEQS`` sequences, ``KB`` positions at a time, prefix-only.
+
+    Each row's chunk partials are folded first. Greedy: accept ``d_i == argmax``, write n and the
+    tokens (the new one is row n's argmax). Sampling: store each row's ``(M, S)``, accept
+    ``u_i · q_i(d_i) < p_i(d_i)`` in float64; write n.
+    """
+    b = tl.program_id(0).to(tl.int64) * SEQS + tl.arange(0, SEQS)
+    live = b < B
+    k1 = k1.to(tl.int64)  # index math in int64 (the interpreter checks int32 overflow)
+    n = b * 0
+    final = b * 0
+    still = live
+    p0 = k1 * 0
+    while p0 < k1:
+        cols = p0 + tl.arange(0, KB)
+        row = (b * k1)[:, None] + cols[None, :]
+        at_row = live[:, None] & (cols < k1)[None, :]
+        is_draft = live[:, None] & (cols < k1 - 1)[None, :]
+        d = tl.load(drafts_ptr + (b * d_sb)[:, None] + cols[None, :] * d_si, mask=is_draft, other=0)
+        if GREEDY:
+            _, choice = _fold_argmax(part_m_ptr, part_x_ptr, row * num_chunks, at_row, num_chunks, PARTIALS)
+            accepted = is_draft & (d == choice)
+        else:
+            big_m, big_s = _fold_logsumexp(part_m_ptr, part_x_ptr, row * num_chunks, at_row, num_chunks, PARTIALS,
+                                           MATH)
+            tl.store(row_m_ptr + row, big_m, mask=at_row)
+            tl.store(row_s_ptr + row, big_s, mask=at_row)
+            valid = is_draft & (d >= 0) & (d < V)
+            d = tl.where(valid, d, 0)
+            x = tl.load(logits_ptr + (b * stride_b)[:, None] + cols[None, :] * stride_i + d, mask=valid,
+                        other=_NEG_INF)
+            p_d = _target_prob(x, temperature, big_m, tl.where(at_row, big_s, 1.0), MATH).to(tl.float64)
+            u = tl.load(u_ptr + (b * u_sb)[:, None] + cols[None, :] * u_si, mask=is_draft, other=1.0)
+            if HAS_Q:
+                q_d = tl.load(q_ptr + (b * q_sb)[:, None] + cols[None, :] * q_si + d, mask=valid, other=0.0)
+                accepted = valid & (u * q_d.to(tl.float64) < p_d)
+            else:
+                accepted = valid & (u < p_d)
+        rejected = tl.where(accepted, 0, 1)  # positions past the drafts count as rejections
+        prefix = (tl.associative_scan(rejected, 1, _SUM) == 0) & still[:, None]
+        if GREEDY:  # row n's argmax, n = this step's first rejection (at most one per sequence)
+            first_rejection = (tl.associative_scan(rejected, 1, _SUM) == 1) & (rejected == 1) & still[:, None]
+            final += tl.reduce(tl.where(first_rejection, choice, 0).to(tl.int64), 1, _SUM)
+        n += tl.reduce(prefix.to(tl.int64), 1, _SUM)
+        still = still & (tl.reduce(rejected, 1, _SUM) == 0)
+        p0 += KB
+    tl.store(n_out_ptr + b, n, mask=live)
+    if GREEDY:
+        _write_tokens(drafts_ptr, b, d_sb, d_si, tok_out_ptr, live, k1, n, final, KB)
+
+
+@_kernel
+def _residual_kernel(
+    logits_ptr, q_ptr, drafts_ptr, n_ptr, row_m_ptr, row_s_ptr, mass_ptr, last_ptr,
+    V, B, k1, stride_b, stride_i, num_chunks, temperature, d_sb, d_si, q_sb, q_si,
+    HAS_Q: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, MATH: tl.constexpr,
+):
+    """Kernel 3: one slice of row n of ``ROWS`` sequences — the float64 mass of r and its last
+    positive index."""
+    b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = b < B
+    n = tl.load(n_ptr + b, mask=live, other=0)
+    drafted = live & (n < k1 - 1)
+    d_n = tl.load(drafts_ptr + b * d_sb + n * d_si, mask=drafted, other=-1)
+    offset = b * stride_b + n * stride_i
+    q_offset = b * q_sb + n * q_si
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 16)
+        q_offset = tl.multiple_of(q_offset, 16)
+    chunk = tl.program_id(1)
+    idx = (chunk * CHUNK + tl.arange(0, CHUNK))[None, :]
+    big_m = tl.load(row_m_ptr + b * k1 + n, mask=live, other=0.0)
+    big_s = tl.load(row_s_ptr + b * k1 + n, mask=live, other=1.0)
+    _, r = _row_n(logits_ptr + offset, q_ptr + q_offset, d_n, drafted, temperature, big_m, big_s,
+                  idx, tl.where(live, V, 0), HAS_Q, MATH)
+    out = b * num_chunks + chunk
+    tl.store(mass_ptr + out, tl.reduce(r.to(tl.float64), 1, _SUM), mask=live)
+    tl.store(last_ptr + out, tl.reduce(tl.where(r > 0, idx, -1), 1, _MAX), mask=live)
+
+
+@_kernel
+def _draw_kernel(
+    logits_ptr, q_ptr, drafts_ptr, u_ptr, n_ptr, row_m_ptr, row_s_ptr, mass_ptr, last_ptr, tok_out_ptr,
+    V, B, k1, stride_b, stride_i, num_chunks, temperature, d_sb, d_si, q_sb, q_si, u_sb, u_si,
+    HAS_Q: tl.constexpr, SEQS: tl.constexpr, PARTIALS: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr, KB: tl.constexpr, MATH: tl.constexpr,
+):
+    """Kernel 4: the inverse-CDF draw from r (from p_n where r has no mass), scanning one chunk
+    per sequence."""
+    b = tl.program_id(0).to(tl.int64) * SEQS + tl.arange(0, SEQS)
+    live = b < B
+    k1 = k1.to(tl.int64)  # scalar index math in int64 (the interpreter checks int32 overflow)
+    num_chunks = num_chunks.to(tl.int64)
+    start = b * num_chunks
+    n = tl.load(n_ptr + b, mask=live, other=0)
+    drafted = live & (n < k1 - 1)
+    d_n = tl.load(drafts_ptr + b * d_sb + n * d_si, mask=drafted, other=-1)
+    logits_row = logits_ptr + b * stride_b + n * stride_i
+    q_row = q_ptr + b * q_sb + n * q_si
+    big_m = tl.load(row_m_ptr + b * k1 + n, mask=live, other=0.0)
+    big_s = tl.load(row_s_ptr + b * k1 + n, mask=live, other=1.0)
+    zero = tl.zeros((SEQS,), tl.float64)
+    total = zero
+    last = b * 0 - 1
+    c0 = num_chunks * 0
+    while c0 < num_chunks:
+        c = c0 + tl.arange(0, PARTIALS)
+        mask = live[:, None] & (c < num_chunks)[None, :]
+        at = start[:, None] + c[None, :]
+        total += tl.reduce(tl.load(mass_ptr + at, mask=mask, other=0.0), 1, _SUM)
+        last = tl.maximum(last, tl.reduce(tl.load(last_ptr + at, mask=mask, other=-1), 1, _MAX))
+        c0 += PARTIALS
+
+    # No residual mass: draw from p_n. Its chunk masses replace r's (all zero) for those
+    # sequences; the loop runs only in a program that has one.
+    has_mass = total > 0
+    empty = live & (total <= 0)
+    trips = tl.where(tl.reduce(empty.to(tl.int32), 0, _MAX) > 0, num_chunks, 0)
+    empty_limit = tl.where(empty, V, 0)
+    j = num_chunks * 0
+    while j < trips:
+        mass = zero
+        chunk_last = b * 0 - 1
+        for j0 in range(0, CHUNK, BLOCK):
+            idx = j * CHUNK + (j0 + tl.arange(0, BLOCK))[None, :]
+            p, _ = _row_n(logits_row, q_row, d_n, drafted, temperature, big_m, big_s, idx, empty_limit, HAS_Q, MATH)
+            mass += tl.reduce(p.to(tl.float64), 1, _SUM)
+            chunk_last = tl.maximum(chunk_last, tl.reduce(tl.where(p > 0, idx, -1), 1, _MAX))
+        tl.store(mass_ptr + start + j, mass, mask=empty)
+        tl.store(last_ptr + start + j, chunk_last, mask=empty)
+        total = tl.where(empty, total + mass, total)
+        last = tl.where(empty, tl.maximum(last, chunk_last), last)
+        j += 1
+    tl.debug_barrier()  # the stores above are read back below, by other threads of this program
+    u_final = tl.load(u_ptr + b * u_sb + (k1 - 1) * u_si, mask=live, other=0.0)
+    threshold = u_final * total
+
+    # c*: the number of chunks whose cumulative mass is <= the threshold; "before" is the mass
+    # of the chunks before c*.
+    carry = zero
+    before = zero
+    c_star = b * 0
+    c0 = num_chunks * 0
+    while c0 < num_chunks:
+        c = c0 + tl.arange(0, PARTIALS)
+        mask = live[:, None] & (c < num_chunks)[None, :]
+        at = start[:, None] + c[None, :]
+        cdf = carry[:, None] + tl.associative_scan(tl.load(mass_ptr + at, mask=mask, other=0.0), 1, _SUM)
+        below = mask & (cdf <= threshold[:, None])
+        c_star += tl.reduce(below.to(tl.int64), 1, _SUM)
+        before = tl.maximum(before, tl.reduce(tl.where(below, cdf, 0.0), 1, _MAX))
+        carry = tl.reduce(cdf, 1, _MAX)
+        c0 += PARTIALS
+    found = live & (c_star < num_chunks)
+
+    # Scan chunk c*: count its cumulative weights <= the threshold.
+    first = c_star * CHUNK
+    carry = before
+    count = b * 0
+    for j0 in range(0, CHUNK, BLOCK):
+        idx = first[:, None] + (j0 + tl.arange(0, BLOCK))[None, :]
+        limit = tl.where(found & (carry <= threshold), V, 0)  # past the threshold: stop reading
+        p, r = _row_n(logits_row, q_row, d_n, drafted, temperature, big_m, big_s, idx, limit, HAS_Q, MATH)
+        cdf = carry[:, None] + tl.associative_scan(tl.where(has_mass[:, None], r, p).to(tl.float64), 1, _SUM)
+        count += tl.reduce(((idx < limit[:, None]) & (cdf <= threshold[:, None])).to(tl.int64), 1, _SUM)
+        carry = tl.maximum(carry, tl.reduce(cdf, 1, _MAX))
+    # Clamp to the last positive index: of chunk c* (chunk and element sums may round apart), or
+    # of the whole row when the threshold lies past every chunk (u * total rounded up to total).
+    c_last = start + tl.minimum(c_star, num_chunks - 1)
+    last_in_chunk = tl.load(last_ptr + c_last, mask=live, other=-1)
+    final = tl.where(found, tl.minimum(first + count, last_in_chunk), last)
+    _write_tokens(drafts_ptr, b, d_sb, d_si, tok_out_ptr, live, k1, n, final, KB)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+
+def _next_power_of_2(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _tiles(vocab: int) -> dict[str, int]:
+    """Tile sizes, a function of ``V`` only (so ``B`` and ``k`` never change a compilation).
+
+    Large vocabularies get one row per program in kernels 1 and 3 and one sequence per program in
+    kernel 4; small ones pack rows/sequences so that a program still covers ~``TILE`` logits.
+    Kernel 2 takes as many sequences as keep its partials tile at ``DECIDE_TILE``.
+    """
+    chunk = min(CHUNK_MAX, max(16, _next_power_of_2(vocab)))
+    num_chunks = -(-vocab // chunk)
+    scan = min(chunk, SCAN_BLOCK)
+    partials = min(PARTIAL_BLOCK, _next_power_of_2(num_chunks))
+    return {
+        "chunk": chunk,
+        "num_chunks": num_chunks,
+        "partials": partials,
+        "rows": max(1, TILE // chunk),
+        "seqs": max(1, min(DECIDE_TILE // (POSITION_BLOCK * partials), 256)),
+        "scan": scan,
+        "draw_seqs": max(1, SCAN_BLOCK // scan),
+    }
+
+
+def _math_mode(device: torch.device) -> int:
+    """0: CPU math (the interpreter); 1: PyTorch's CUDA math; 2: CUDA with the fast exp."""
+    if device.type != "cuda" or _interpreted():
+        return 0
+    return 2 if FAST_EXP else 1
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def verify_triton(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    uniforms: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num_accepted [B] long, tokens [B, k+1] long)`` by the rule of SPEC.md §2.
+
+    Inputs as for :func:`flashspec.verify.verify`, which validates shapes before calling this.
+    Every tensor must be on the logits' device. No host synchronisation.
+    """
+    batch, k1, vocab = target_logits.shape
+    k = k1 - 1
+    device = target_logits.device
+    for name, t in (("draft_tokens", draft_tokens), ("draft_probs", draft_probs), ("uniforms", uniforms)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but target_logits is on {device}.")
+
+    greedy = not params.do_sample
+    logits, temperature = target_logits, 1.0
+    if not greedy:
+        if 0 < params.top_k < vocab or params.top_p < 1.0:
+            logits = process_logits(target_logits, params)  # float32, T applied, -inf removed
+        else:
+            temperature = float(params.temperature)
+    math_mode = _math_mode(device)
+    if math_mode != 0:
+        temperature = float(np.float32(1.0) / np.float32(temperature))  # as torch's CUDA division
+    logits = _last_contiguous(logits)
+    stride_b, stride_i = logits.stride(0), logits.stride(1)
+
+    tiles = _tiles(vocab)
+    chunk, num_chunks = tiles["chunk"], tiles["num_chunks"]
+    rows = batch * k1
+    part_m = torch.empty((rows, num_chunks), dtype=torch.float32, device=device)
+    part_x = torch.empty((rows, num_chunks), dtype=torch.int32 if greedy else torch.float32, device=device)
+    num_accepted = torch.empty((batch,), dtype=torch.long, device=device)
+    tokens = torch.empty((batch, k1), dtype=torch.long, device=device)
+    # k = 0: a placeholder that is never read (every draft load is masked).
+    drafts = draft_tokens.long() if k > 0 else torch.empty((batch, 1), dtype=torch.long, device=device)
+    d_strides = (drafts.stride(0), drafts.stride(1))
+    aligned = stride_b % 16 == 0 and stride_i % 16 == 0
+    has_q = not greedy and draft_probs is not None and k > 0
+    q = _last_contiguous(draft_probs) if has_q else part_m  # part_m: a placeholder, never read
+    q_strides = (q.stride(0), q.stride(1))
+    aligned_q = aligned and (not has_q or all(s % 16 == 0 for s in q_strides))
+    u = part_m if greedy else uniforms if uniforms.dtype == torch.float64 else uniforms.double()
+    u_strides = (u.stride(0), u.stride(1))
+    row_m = torch.empty((rows,), dtype=torch.float32, device=device)  # sampling: each row's (M, S)
+    row_s = torch.empty((rows,), dtype=torch.float32, device=device)
+    seqs, kb = tiles["seqs"], POSITION_BLOCK
+
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _partials_kernel[(triton.cdiv(rows, tiles["rows"]), num_chunks)](
+            logits, part_m, part_x, vocab, rows, k1, stride_b, stride_i, num_chunks, temperature,
+            GREEDY=greedy, ALIGNED=aligned, ROWS=tiles["rows"], CHUNK=chunk, MATH=math_mode, num_warps=CHUNK_WARPS,
+        )
+        _decide_kernel[(triton.cdiv(batch, seqs),)](
+            logits, part_m, part_x, row_m, row_s, drafts, q, u, num_accepted, tokens,
+            vocab, batch, k1, num_chunks, stride_b, stride_i, temperature, *d_strides, *q_strides, *u_strides,
+            GREEDY=greedy, HAS_Q=has_q, SEQS=seqs, KB=kb, PARTIALS=tiles["partials"], MATH=math_mode,
+            num_warps=DECIDE_WARPS,
+        )
+        if greedy:
+            return num_accepted, tokens
+
+        mass = torch.empty((batch, num_chunks), dtype=torch.float64, device=device)  # of r per chunk
+        last = torch.empty((batch, num_chunks), dtype=torch.int32, device=device)  # last index r > 0
+        shape_args = (vocab, batch, k1, stride_b, stride_i, num_chunks, temperature, *d_strides, *q_strides)
+        _residual_kernel[(triton.cdiv(batch, tiles["rows"]), num_chunks)](
+            logits, q, drafts, num_accepted, row_m, row_s, mass, last, *shape_args,
+            HAS_Q=has_q, ALIGNED=aligned_q, ROWS=tiles["rows"], CHUNK=chunk, MATH=math_mode, num_warps=CHUNK_WARPS,
+        )
+        _draw_kernel[(triton.cdiv(batch, tiles["draw_seqs"]),)](
+            logits, q, drafts, u, num_accepted, row_m, row_s, mass, last, tokens,
+            *shape_args, *u_strides, HAS_Q=has_q, SEQS=tiles["draw_seqs"], PARTIALS=tiles["partials"], CHUNK=chunk,
+            BLOCK=tiles["scan"], KB=kb, MATH=math_mode, num_warps=DRAW_WARPS,
+        )
+    return num_accepted, tokens
+
+
+_KERNELS = (_partials_kernel, _decide_kernel, _residual_kernel, _draw_kernel)
+
+
+def compiled_variants() -> int:
+    """Number of compiled kernel variants cached in this process (0 under the interpreter).
+
+    Calls that differ only in batch size, ``k``, strides or temperature must not raise it.
+    """
+    total = 0
+    for kernel in _KERNELS:
+        for cache in getattr(kernel, "device_caches", {}).values():
+            total += len(cache[0])
+    return total
