@@ -361,6 +361,8 @@ if triton is not None:
         return kept or kind[:1]
 
     # One choice per (N, K, flags, row class), never per M: batch invariance (module docstring).
+    # PDL is in the key: a choice timed with it on is not reused with it off (probe 15 saw a tile
+    # chosen under other launch conditions double gate/up's time).
     _tuned = triton.autotune(configs=_configs(),
-                             key=["N", "K", "HAS_BIAS", "NORM", "RESIDUAL", "GATED", "row_class"],
+                             key=["N", "K", "HAS_BIAS", "NORM", "RESIDUAL", "GATED", "row_class", "PDL"],
                              prune_configs_by={"early_config_prune": _prune})(_decode_linear_kernel)

@@ -4,7 +4,7 @@ One public function, :func:`verify`, with two backends behind the same signature
 
 * ``"reference"`` (below): pure PyTorch, batched over rows with tensor operations only (no
   Python loop over rows, no device-to-host synchronisation), so it runs on every device;
-* ``"triton"`` (:mod:`flashspec.verify_triton`): two fused kernels that read the logits once.
+* ``"triton"`` (:mod:`flashspec.verify_triton`): fused Triton kernels that read the logits once.
 
 SPEC.md §2 step 4 is the contract both follow. ``backend="auto"`` picks Triton for CUDA logits
 when Triton imports, else the reference; the environment variable ``FLASHSPEC_VERIFY_BACKEND``

@@ -284,3 +284,11 @@ def test_autotuner_offers_one_inner_product_per_row_class(rows):
         assert kept and all(c.kwargs["USE_DOT"] == (rows > 1) for c in kept)
         assert all(c.kwargs["BLOCK_N"] <= max(n, 16) for c in kept)
     assert module._prune(module._configs(), {"row_class": row_class, "N": 1}) != []
+
+
+def test_autotune_choice_is_per_pdl_setting():
+    """The autotuner keys its choice on PDL as well: ``flashspec bench gpu`` times the defaults
+    with PDL on and off in one process, and each must run the tile chosen under its own setting."""
+    import flashspec.decode_linear as module
+
+    assert {"N", "K", "row_class", "PDL"} <= set(module._tuned.keys)
