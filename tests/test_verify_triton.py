@@ -239,11 +239,11 @@ def test_zero_mass_fallback_beside_sequences_with_mass(vocab):
     empty = torch.tensor([True, False, True, False])
     q[empty] = p[empty, :1] * (1 + 1e-5)  # q slightly above p everywhere: no residual mass
     drafts = torch.zeros(batch, 1, dtype=torch.long)
+    target, q, drafts, empty = (t.to(DEVICE) for t in (target, q, drafts, empty))
     for u_final in [0.0, 0.37, 0.999999]:
-        u = torch.tensor([[1 - 1e-7, u_final]] * batch, dtype=torch.float64)
-        move = lambda t: t.to(DEVICE)  # noqa: E731
-        r = both(move(target), move(drafts), move(q), params, move(u))
-        assert r.num_accepted[empty.to(DEVICE)].tolist() == [0, 0]
+        u = torch.tensor([[1 - 1e-7, u_final]] * batch, dtype=torch.float64, device=DEVICE)
+        r = both(target, drafts, q, params, u)
+        assert r.num_accepted[empty].tolist() == [0, 0]
 
 
 @st.composite
