@@ -45,12 +45,28 @@ def _time_rounds(fn: Callable[[int], Any], calls_per_round: int, rounds: int) ->
 
 def _timed(fn: Callable[[int], Any], target_round_s: float = 0.02, rounds: int = 7) -> float:
     """Warm up, size the rounds to ~``target_round_s``, return the median seconds per call."""
-    for i in range(3):
-        fn(i)
-    torch.cuda.synchronize()
-    estimate = _time_rounds(fn, 3, 1)
-    calls = int(min(200, max(5, target_round_s / max(estimate, 1e-7))))
-    return _time_rounds(fn, calls, rounds)
+    return _timed_alternating([fn], target_round_s, rounds)[0]
+
+
+def _timed_alternating(
+    fns: list[Callable[[int], Any]], target_round_s: float = 0.02, rounds: int = 7
+) -> list[float]:
+    """Median seconds per call of each of ``fns``, their timed rounds alternating (a, b, a, b,
+    ...), so that a host or GPU that slows down for a while slows every candidate alike.
+
+    Each is warmed up and its rounds sized to ~``target_round_s`` first."""
+    calls = []
+    for fn in fns:
+        for i in range(3):
+            fn(i)
+        torch.cuda.synchronize()
+        estimate = _time_rounds(fn, 3, 1)
+        calls.append(int(min(200, max(5, target_round_s / max(estimate, 1e-7)))))
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        for j, fn in enumerate(fns):  # round r continues where round r - 1 stopped (input sets rotate)
+            times[j].append(_time_rounds(lambda i, fn=fn, first=r * calls[j]: fn(first + i), calls[j], 1))
+    return [statistics.median(t) for t in times]
 
 
 def _graph_timed(calls: list[Callable[[], Any]]) -> float:
@@ -119,7 +135,7 @@ def _minimal_bytes(batch: int, gamma: int, vocab: int, mode: str) -> int:
     if mode == "greedy":
         return from_logits + small
     row_bytes = (vocab + min(vocab, chunk)) * (2 + 4)  # logits row + q row
-    small += batch * (gamma + 1) * 8 + batch * gamma * 4 + batch * chunks * 24 * 2 + batch * 8 * 2
+    small += batch * (gamma + 1) * 8 + batch * gamma * 4 + batch * chunks * 12 * 2 + batch * 8 * 2
     return from_logits + batch * row_bytes + small
 
 
@@ -137,7 +153,7 @@ def bench_verify(
     (temperature 0.7; top_p: top-p 0.9 at temperature 0.7) and explicit uniforms. Both backends
     first run on the same input and must agree (``match``). Timing rotates through enough input
     sets to exceed twice the L2 cache, so small shapes are not timed from cache; medians of
-    CUDA-event-timed rounds after warm-up.
+    CUDA-event-timed rounds after warm-up; the two backends' eager rounds alternate.
     """
     from tqdm.auto import tqdm
 
@@ -162,8 +178,7 @@ def bench_verify(
         def run(backend: str) -> Callable[[int], Any]:
             return lambda i: verify(*sets[i % n_sets][:3], params, sets[i % n_sets][3], backend=backend)
 
-        reference_s = _timed(run("reference"))
-        triton_s = _timed(run("triton"))
+        reference_s, triton_s = _timed_alternating([run("reference"), run("triton")])
         graph_s: dict[str, float | None] = {}
         for backend in ("reference", "triton"):
             calls = [lambda s=s, b=backend: verify(*s[:3], params, s[3], backend=b) for s in sets]
