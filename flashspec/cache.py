@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
-from .decode_linear import MAX_ROWS as _LINEAR_ROWS
-from .decode_linear import decode_linear
+from .kernels.decode_linear import MAX_ROWS as _LINEAR_ROWS
+from .kernels.decode_linear import decode_linear
 from .models import context_window
-from .rope_kv import rope_write_kv
+from .kernels.rope_kv import rope_write_kv
 
 __all__ = ["CachedLM", "StaticLM", "make_lm"]
 
@@ -338,7 +338,7 @@ def _fast_attention():
     global _ATTENTION
     if _ATTENTION is None:
         try:
-            from . import attention
+            from .kernels import attention
 
             _ATTENTION = attention if attention.triton is not None else False
         except ImportError:

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             engine, baseline = _load_pair(target, [draft], None, args.device, args.dtype)
             _run(engine, baseline, args.prompt, args)
         elif args.command == "bench" and args.bench == "core":
-            from . import bench
+            from .bench import core as bench
             from .models import DEMO_DRAFT, DEMO_TARGET, fetch_demo_model
 
             temperatures = _temperatures(args.temperatures)  # before minutes of model loading
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench" and args.bench == "forward":
             import json
 
-            from . import bench
+            from .bench import core as bench
             from .models import DEMO_DRAFT, DEMO_TARGET, fetch_demo_model
 
             specs = {
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             out.with_suffix(".md").write_text(table + "\n")
             print(table)
         elif args.command == "bench" and args.bench == "bandit":
-            from . import bench_bandit
+            from .bench import bandit as bench_bandit
 
             results = bench_bandit.run(
                 steps=args.steps, arms=args.arms, seeds=args.seeds, json_path=args.json_path,
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench" and args.bench == "select":
             import json
 
-            from . import bench
+            from .bench import core as bench
             from .models import DEMO_DRAFT, DEMO_TARGET, fetch_demo_model
 
             try:  # checked before minutes of model loading
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             out.with_suffix(".md").write_text(table + "\n")
             print(table)
         elif args.command == "bench" and args.bench == "gpu":
-            from . import bench_gpu
+            from .bench import gpu as bench_gpu
 
             shaped = tuple(s for s in args.shaped.split(",") if s)
             for name in shaped:
@@ -324,12 +324,12 @@ def main(argv: list[str] | None = None) -> int:
                 gamma=args.num_draft_tokens, compile=not args.no_compile,
             )
         elif args.command == "bench" and args.bench == "e2e" and args.rewrite_report:
-            from . import bench_e2e
+            from .bench import e2e as bench_e2e
 
             for path in bench_e2e.rewrite_report(Path(args.rewrite_report)):
                 print(f"wrote {path}")
         elif args.command == "bench" and args.bench == "e2e":
-            from . import bench_e2e
+            from .bench import e2e as bench_e2e
 
             # Every option is checked before minutes of model loading.
             regimes = bench_e2e.parse_regimes(args.regimes)

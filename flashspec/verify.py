@@ -81,7 +81,7 @@ def verify(
     if params.do_sample and (uniforms is None or uniforms.shape != (batch, k + 1)):
         raise ValueError(f"Sampling needs uniforms of shape [{batch}, {k + 1}].")
     if chosen == "triton":
-        from .verify_triton import verify_triton
+        from .kernels.verify import verify_triton
 
         num_accepted, tokens = verify_triton(target_logits, draft_tokens, draft_probs, params, uniforms)
         return VerifyResult(num_accepted, tokens)

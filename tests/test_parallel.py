@@ -11,7 +11,7 @@ does not split evenly) targets over both, and decodes. Here we check that
   and with a learning selector timed by each rank's own clock;
 * a model whose heads do not split raises a ``ValueError`` that says so.
 
-The NCCL/CUDA path is the same code with another backend: ``python -m flashspec.bench_tp``.
+The NCCL/CUDA path is the same code with another backend: ``python -m flashspec.bench.tp``.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def test_bench_tp_chi_square_matches_the_tests_helper():
     """The GPU benchmark's χ² (no scipy on the GPU image) agrees with the tests' scipy one."""
     from stats_helpers import chi2_pvalue as reference
 
-    from flashspec.bench_tp import chi2_pvalue
+    from flashspec.bench.tp import chi2_pvalue
 
     gen = torch.Generator().manual_seed(0)
     law = torch.softmax(torch.randn(4096, generator=gen) * 2, dim=0).double()

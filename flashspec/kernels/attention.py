@@ -88,7 +88,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from flashspec import pdl  # (absolute: tests load this file on its own as well)
+from flashspec.kernels import pdl  # (absolute: tests load this file on its own as well)
 
 __all__ = [
     "available",

@@ -1,4 +1,4 @@
-"""The flash-decoding attention kernels (flashspec.attention): parity with the SDPA reference,
+"""The flash-decoding attention kernels (flashspec.kernels.attention): parity with the SDPA reference,
 masking of stale cache entries, the split / row-block / layout variants, torch.compile, and
 importing without Triton.
 
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from flashspec import attention  # noqa: E402
-from flashspec.attention import (  # noqa: E402
+from flashspec.kernels import attention  # noqa: E402
+from flashspec.kernels.attention import (  # noqa: E402
     available,
     decode_attention,
     decode_attention_heads,

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from . import pdl
-from .bench import DOMAINS, heldout_prompts
-from .cache import StaticLM
-from .engine import SpeculativeEngine
-from .graphs import Graphs
+from ..kernels import pdl
+from .core import DOMAINS, heldout_prompts
+from ..cache import StaticLM
+from ..engine import SpeculativeEngine
+from ..graphs import Graphs
 
 SHAPES = {
     # Llama-3-8B, Llama-3.2-1B and Qwen2.5-1.5B/0.5B shapes (public configs); random weights.
@@ -304,8 +304,8 @@ def run(
     compile: bool = True,
 ) -> dict[str, Any]:
     """Everything, in one process; writes ``gpu.json`` and ``gpu.md`` into ``out_dir``."""
-    from . import bench_kernels
-    from .models import load_model, load_tokenizer
+    from . import kernels as bench_kernels
+    from ..models import load_model, load_tokenizer
 
     if not torch.cuda.is_available():
         raise ValueError("flashspec bench gpu needs a CUDA GPU.")

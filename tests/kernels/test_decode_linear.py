@@ -1,4 +1,4 @@
-"""The fused decode linear kernel (flashspec.decode_linear): equal to its PyTorch reference with
+"""The fused decode linear kernel (flashspec.kernels.decode_linear): equal to its PyTorch reference with
 every combination of norm / bias / residual / gated, every shape (Hypothesis: rows 1..16, N, K
 not multiples of the tiles), batch invariance (a row's result does not depend on the other
 rows), weight row-slices, torch.compile, clear errors, and StaticLM with and without it. Without
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from flashspec.decode_linear import MAX_ROWS, decode_linear, decode_linear_reference  # noqa: E402
+from flashspec.kernels.decode_linear import MAX_ROWS, decode_linear, decode_linear_reference  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -59,7 +59,7 @@ def _assert_close(out, ref, problem=None):
 def variant(request, monkeypatch):
     """Both inner products of the kernel (the autotuner picks one per matrix on CUDA; here the
     fixed configuration is switched)."""
-    import flashspec.decode_linear as module
+    import flashspec.kernels.decode_linear as module
 
     monkeypatch.setitem(module._FIXED, "USE_DOT", request.param)
     monkeypatch.setitem(module._FIXED, "BLOCK_N", 16 if request.param else 4)
@@ -275,7 +275,7 @@ def test_autotuner_offers_one_inner_product_per_row_class(rows):
     """On CUDA the autotuner chooses per (N, K, options, row class): CUDA-core tiles for one token
     row, tensor-core tiles for several (the CUDA-core loop re-reads the weights per row), and no
     tile wider than the matrix unless none is narrower."""
-    import flashspec.decode_linear as module
+    import flashspec.kernels.decode_linear as module
 
     row_class = module._row_class(rows)
     assert row_class == (1 if rows == 1 else 2)
@@ -289,6 +289,6 @@ def test_autotuner_offers_one_inner_product_per_row_class(rows):
 def test_autotune_choice_is_per_pdl_setting():
     """The autotuner keys its choice on PDL as well: ``flashspec bench gpu`` times the defaults
     with PDL on and off in one process, and each must run the tile chosen under its own setting."""
-    import flashspec.decode_linear as module
+    import flashspec.kernels.decode_linear as module
 
     assert {"N", "K", "row_class", "PDL"} <= set(module._tuned.keys)

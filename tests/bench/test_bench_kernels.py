@@ -1,4 +1,4 @@
-"""The verify-kernel benchmark's own logic (flashspec.bench_kernels), on the CPU: how eager
+"""The verify-kernel benchmark's own logic (flashspec.bench.kernels), on the CPU: how eager
 timings are taken and how the table reports a mismatch or a missing graph timing. The timings
 themselves need a GPU (benchmarks/gpu_h200.sh)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from flashspec import bench_kernels
+from flashspec.bench import kernels as bench_kernels
 
 
 def test_eager_rounds_of_the_two_backends_alternate(monkeypatch):

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .select import Observation, make_selector
+from ..select import Observation, make_selector
 
 __all__ = [
     "DEFAULT_SELECTORS",

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from .sampling import SamplingParams, probabilities, sample
-from .verify import verify
+from ..sampling import SamplingParams, probabilities, sample
+from ..verify import verify
 
 __all__ = ["bench_verify", "format_table", "measure_copy_bandwidth", "parity_stress"]
 

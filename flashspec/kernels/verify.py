@@ -85,7 +85,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .sampling import SamplingParams, process_logits
+from ..sampling import SamplingParams, process_logits
 
 __all__ = ["compiled_variants", "verify_triton"]
 

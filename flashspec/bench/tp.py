@@ -48,9 +48,9 @@ import torch.distributed as dist
 # GPUs out of service (the machines' notes). Set unconditionally, not as defaults.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
-from .bench_gpu import SHAPES, kv_bytes_per_token, time_forward, weight_bytes_per_token  # noqa: E402
-from .engine import SpeculativeEngine  # noqa: E402
-from .parallel import TensorParallel, check_shardable, init_tensor_parallel, local_device, shard_model  # noqa: E402
+from .gpu import SHAPES, kv_bytes_per_token, time_forward, weight_bytes_per_token  # noqa: E402
+from ..engine import SpeculativeEngine  # noqa: E402
+from ..parallel import TensorParallel, check_shardable, init_tensor_parallel, local_device, shard_model  # noqa: E402
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, initializer_range=0.2)
@@ -344,7 +344,7 @@ def throughput(tp: TensorParallel, device: torch.device, args: argparse.Namespac
     kv = kv_bytes_per_token(target, context) / tp.world_size
     result["bytes_per_token_per_gpu"] = {"weights": weights, "kv_at_mean_context": kv}
     if device.type == "cuda":
-        from .bench_kernels import measure_copy_bandwidth
+        from .kernels import measure_copy_bandwidth
 
         bandwidth = measure_copy_bandwidth(device)
         lm = engines["target_only"]._target_lm

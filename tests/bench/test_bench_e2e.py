@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from flashspec import bench_e2e
-from flashspec.bench import DOMAINS, heldout_text
-from flashspec.bench_e2e import Regime, check_options, make_prompts, predicted_speedup
+from flashspec.bench import e2e as bench_e2e
+from flashspec.bench.core import DOMAINS, heldout_text
+from flashspec.bench.e2e import Regime, check_options, make_prompts, predicted_speedup
 from flashspec.cli import main
 from tiny_models import CharTokenizer, noisy_copy, tiny_model, write_tiny_corpus
 
@@ -316,7 +316,7 @@ def test_transformers_systems_can_run_on_fewer_prompts(models, corpus):
 def test_cli_shaped_models_run_with_random_prompts(monkeypatch, tmp_path, capsys):
     """``--shaped`` (random-weight 8B/1B shapes on the GPU) through the CLI, with tiny stand-ins
     for the shapes: one "random" domain, the drafters llama3-1b and ngram, the note saying so."""
-    from flashspec import bench_gpu
+    from flashspec.bench import gpu as bench_gpu
 
     monkeypatch.setattr(bench_gpu, "shaped_model",
                         lambda name, device="cpu", dtype=torch.float32, seed=0: tiny_model("llama", seed=seed))

@@ -1,4 +1,4 @@
-"""The fused rotary-embedding + KV-cache-write kernel (flashspec.rope_kv): equal to its PyTorch
+"""The fused rotary-embedding + KV-cache-write kernel (flashspec.kernels.rope_kv): equal to its PyTorch
 reference and to the model's own rotation, writes only the fed positions, every shape (Hypothesis:
 batch, width, heads, head size, capacity — 1 included), strided views of a fused projection, and
 torch.compile. Without CUDA it runs through Triton's interpreter (tests/conftest.py)."""
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from flashspec.rope_kv import available, rope_write_kv, rope_write_kv_reference  # noqa: E402
+from flashspec.kernels.rope_kv import available, rope_write_kv, rope_write_kv_reference  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -188,7 +188,7 @@ def test_static_lm_imports_and_runs_without_triton():
         "sys.meta_path.insert(0, Block())\n"
         "import torch\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        "from flashspec import rope_kv\n"
+        "from flashspec.kernels import rope_kv\n"
         "from flashspec.cache import StaticLM\n"
         "assert rope_kv.triton is None and not rope_kv.available(torch.zeros(1))\n"
         "try:\n"

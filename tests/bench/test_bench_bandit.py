@@ -1,4 +1,4 @@
-"""The bandit simulation (flashspec.bench_bandit): regret figures and outputs."""
+"""The bandit simulation (flashspec.bench.bandit): regret figures and outputs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from flashspec.bench_bandit import (
+from flashspec.bench.bandit import (
     REFERENCE,
     make_scenarios,
     run,

@@ -1,4 +1,4 @@
-"""The Triton verify backend (flashspec.verify_triton): parity with the reference, the law it
+"""The Triton verify backend (flashspec.kernels.verify): parity with the reference, the law it
 samples, backend selection, and on a GPU no recompilation and no host synchronisation.
 
 Without CUDA the kernels run on CPU tensors through Triton's interpreter (tests/conftest.py sets
@@ -335,7 +335,7 @@ def _small(device=DEVICE):
 
 def _spy(monkeypatch):
     """Record which backend ran."""
-    import flashspec.verify_triton as vt
+    import flashspec.kernels.verify as vt
 
     ran = []
     real_triton, real_reference = vt.verify_triton, verify_module._verify_reference
@@ -436,7 +436,7 @@ def test_mixed_devices_raise():
 
 @needs_cuda
 def test_no_recompilation_across_batch_and_gamma():
-    from flashspec.verify_triton import compiled_variants
+    from flashspec.kernels.verify import compiled_variants
 
     vocab = 32000
     for mode, drafts in [("greedy", "onehot"), ("t0.7", "from_q"), ("t0.7", "onehot"), ("topp0.9", "from_q")]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flashspec import bench_gpu
+from flashspec.bench import gpu as bench_gpu
 from flashspec.cache import StaticLM
 
 
@@ -54,9 +54,9 @@ def test_refused_sets_are_left_out(timer):
 
 
 def test_defaults_without_pdl_where_pdl_runs(monkeypatch):
-    """Where flashspec.pdl is on, the table adds the default maps with PDL off (switched off for
+    """Where flashspec.kernels.pdl is on, the table adds the default maps with PDL off (switched off for
     those timings only, and back on afterwards)."""
-    from flashspec import pdl
+    from flashspec.kernels import pdl
 
     seen, setting = [], pdl.ENABLED
     monkeypatch.setattr(pdl, "enabled", lambda device: True)

@@ -1,4 +1,4 @@
-"""flashspec.pdl: programmatic dependent launch changes when the decode kernels start, never what
+"""flashspec.kernels.pdl: programmatic dependent launch changes when the decode kernels start, never what
 they compute (SPEC §3)."""
 
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from flashspec import pdl
+from flashspec.kernels import pdl
 
 CUDA = torch.cuda.is_available()
 
@@ -29,14 +29,14 @@ def test_environment_variable(value, expected):
     env = {k: v for k, v in os.environ.items() if k != "FLASHSPEC_PDL"}
     if value is not None:
         env["FLASHSPEC_PDL"] = value
-    out = subprocess.run([sys.executable, "-c", "from flashspec import pdl; print(pdl.ENABLED)"],
+    out = subprocess.run([sys.executable, "-c", "from flashspec.kernels import pdl; print(pdl.ENABLED)"],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
 
 
 def test_environment_variable_refuses_other_values():
     env = dict(os.environ, FLASHSPEC_PDL="yes")
-    out = subprocess.run([sys.executable, "-c", "import flashspec.pdl"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", "import flashspec.kernels.pdl"], env=env, capture_output=True, text=True)
     assert out.returncode != 0
     assert "FLASHSPEC_PDL must be 1" in out.stderr and "'yes'" in out.stderr
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .engine import SpeculativeEngine
+from ..engine import SpeculativeEngine
 
 DOMAINS = {"code": "code.txt.xz", "prose": "prose.txt.xz", "chat": "dialogue.txt.xz"}
 HELDOUT_FRACTION = 0.05
@@ -63,7 +63,7 @@ def training_text(corpus_dir: Path, domain: str, max_bytes: int = 4_000_000) -> 
 def store_drafters(specs: list[str], corpus_dir: Path, tokenizer: Any, max_bytes: int = 4_000_000) -> list[Any]:
     """``"store:DOMAIN"`` entries of ``specs`` become :class:`DatastoreDrafter` objects named
     ``store-DOMAIN`` over that domain's training text; other entries pass through."""
-    from .drafters import DatastoreDrafter
+    from ..drafters import DatastoreDrafter
 
     out = []
     for spec in specs:
@@ -193,8 +193,8 @@ def run_forward_costs(
 ) -> dict[str, Any]:
     """Median wall time of one cached forward over ``n`` new tokens after a ``context``-token
     prefix, per model and dtype: what a drafting step and a verification step cost."""
-    from .cache import make_lm
-    from .models import load_model
+    from ..cache import make_lm
+    from ..models import load_model
 
     rows = []
     for dtype in dtypes:

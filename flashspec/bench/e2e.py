@@ -35,11 +35,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .bench import DOMAINS, HELDOUT_FRACTION, heldout_prompts
-from .cache import StaticLM, make_lm
-from .drafters import History, ModelDrafter, NgramDrafter
-from .engine import SpeculativeEngine
-from .sampling import SamplingParams
+from .core import DOMAINS, HELDOUT_FRACTION, heldout_prompts
+from ..cache import StaticLM, make_lm
+from ..drafters import History, ModelDrafter, NgramDrafter
+from ..engine import SpeculativeEngine
+from ..sampling import SamplingParams
 
 __all__ = [
     "FAMILIES",
@@ -523,7 +523,7 @@ def forward_costs(target: Any, drafters: dict[str, Any], gammas: list[int], cont
     def lm_cost(model: Any, width: int) -> float:
         lm = make_lm(model)
         if device.type == "cuda" and isinstance(lm, StaticLM):
-            from .bench_gpu import time_forward
+            from .gpu import time_forward
 
             return time_forward(lm, batch, width, context)
         lm.reset(batch, context + max(widths) + 1)
@@ -1136,12 +1136,12 @@ def load_and_run(
 ) -> dict[str, Any]:
     """Load the models (or build random-weight Llama-3-8B / 3.2-1B shapes with ``shaped``), make
     the prompts, :func:`run` and :func:`write`. ``options`` go to :func:`run`."""
-    from .models import load_model, load_tokenizer
+    from ..models import load_model, load_tokenizer
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = getattr(torch, dtype)
     if shaped:
-        from .bench_gpu import shaped_model
+        from .gpu import shaped_model
 
         model = shaped_model("llama3-8b", str(device), torch_dtype)
         drafters: dict[str, Any] = {"llama3-1b": shaped_model("llama3-1b", str(device), torch_dtype, seed=1),
@@ -1154,7 +1154,7 @@ def load_and_run(
         tok = load_tokenizer(tokenizer or target)
         prompts = make_prompts(regimes, prompts_per_domain, tokenizer=tok, corpus=corpus, seed=seed)
         model = load_model(target, device, torch_dtype)
-        from .bench import store_drafters
+        from .core import store_drafters
 
         drafters = {}
         for spec, built in zip(drafts, store_drafters(drafts, corpus, tok)):  # "store:DOMAIN": a datastore

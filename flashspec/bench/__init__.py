@@ -1,0 +1,1 @@
+"""Benchmarks behind ``flashspec bench``: core, e2e, gpu, kernels, tp, bandit."""
