@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tensor-parallel runs on one host (SPEC.md §9, README "Several GPUs"): 1, 2 and, where the host
-# has 4 GPUs, 4 processes of `python -m flashspec.bench.tp`, then a markdown summary.
+# has 4 GPUs, 4 processes of `python -m flashspec bench tp`, then a markdown summary.
 #
 #   benchmarks/tp_h200.sh [OUT_DIR] [extra bench_tp options, e.g. --no-compile]
 #
@@ -18,6 +18,6 @@ echo "GPUs: $GPUS; results in $OUT"
 for n in 1 2 4; do
   if [ "$n" -gt "$GPUS" ]; then continue; fi
   # torchrun, spelled as a module so that it is the same Python's.
-  "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$n" -m flashspec.bench.tp --out "$OUT" "$@"
+  "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$n" -m flashspec bench tp --out "$OUT" "$@"
 done
-"$PYTHON" -m flashspec.bench.tp summarize "$OUT"
+"$PYTHON" -m flashspec bench tp --summarize "$OUT"
