@@ -1,3 +1,5 @@
+"""Ran at commit 7a009e6 (2026-11-30), as benchmarks/probes/probe.py (probe 1; results committed with
+it); it imports modules by their paths at that commit — check it out there to run it again."""
 import sys, time, json, torch
 from flashspec import bench_gpu
 x = torch.empty(2**30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)

@@ -1,4 +1,6 @@
-"""Probe 10 (H200): the fused decode linear kernel (flashspec.decode_linear).
+"""Ran at commit a51f0c1 (2026-12-01), as benchmarks/probes/probe10.py (results committed with it); it
+imports modules by their paths at that commit — check it out there to run it again.
+Probe 10 (H200): the fused decode linear kernel (flashspec.decode_linear).
 (1) GPU tests of the kernel and of StaticLM; (2) each linear map of the Qwen2.5-1.5B and
 Llama-3-8B shapes alone: decode_linear (norm / SiLU·up / residual fused) against cuBLAS's plain
 F.linear, at 1, 5 and 16 token rows, with the tile configuration the autotuner chose; (3) the

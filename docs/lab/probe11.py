@@ -1,4 +1,7 @@
-"""Probe 11 (H200): decode_linear with CUDA-core tiles beside the tensor-core ones, and which
+"""Never run (no results file, no NOTES.md section; probe 12 took its place): written at commit ac0f6bd
+(2026-12-01), last changed at df5c050 (2026-12-01), as benchmarks/probes/probe11.py; it imports
+modules by their paths at that commit — check it out there to run it.
+Probe 11 (H200): decode_linear with CUDA-core tiles beside the tensor-core ones, and which
 maps StaticLM should send through it.
 (1) GPU tests of the kernel and of StaticLM's decode maps; (2) each linear map of the
 Qwen2.5-1.5B and Llama-3-8B shapes alone, decode_linear (autotuned over both inner products)

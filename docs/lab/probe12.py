@@ -1,4 +1,6 @@
-"""Probe 12 (H200): every decode_linear tile configuration against cuBLAS, with the weights cold.
+"""Ran at commit eec2413 (2026-12-01), as benchmarks/probes/probe12.py (results committed in 4ab20dd);
+it imports modules by their paths at that commit — check it out there to run it again.
+Probe 12 (H200): every decode_linear tile configuration against cuBLAS, with the weights cold.
 
 Each linear map of the Qwen2.5-1.5B and Llama-3-8B shapes (qkv + norm, o + residual,
 gate/up + norm + SiLU·up, down + residual), at 1 and 5 token rows. Unlike probe 10, whose 20

@@ -1,4 +1,7 @@
-"""Probe 13 (H200): a pre-flight for the official run, plus one side-by-side measurement.
+"""Ran at commit 4ab20dd (2026-12-01), as benchmarks/probes/probe13.py (results committed in 8fc9f72;
+--report added in d8afdcd); it imports modules by their paths at that commit — check it out there
+(d8afdcd for --report) to run it again.
+Probe 13 (H200): a pre-flight for the official run, plus one side-by-side measurement.
 (1) decode_linear autotuned per row class on the Qwen2.5-1.5B and Llama-3-8B shapes' matrices
 (1 and 5 rows) against its reference, and the configuration the autotuner chose for each;
 (2) target-only greedy decoding of the 1.5B shape (random weights, compile=True, batch 1) with

@@ -1,4 +1,6 @@
-"""Probe 14 (H200): target-only decoding end to end with StaticLM.decode_maps = {o, down} (the
+"""Ran at commit 8fc9f72 (2026-12-01), as benchmarks/probes/probe14.py (results committed in d8afdcd);
+it imports modules by their paths at that commit — check it out there to run it again.
+Probe 14 (H200): target-only decoding end to end with StaticLM.decode_maps = {o, down} (the
 default) and {qkv, o, down}, side by side, alternating, two rounds; Qwen2.5-1.5B and Llama-3-8B
 shapes (random weights), batch 1, compile=True, 3 prompts × 256 new tokens. The official run's
 maps table found {qkv, o, down} 5 % faster per one-row forward on the real 1.5B and even on the

@@ -1,4 +1,6 @@
-"""Probe 15 (H200): programmatic dependent launch (flashspec.pdl) in the decode forward.
+"""Ran at commit 222b034 (2026-12-01), as benchmarks/probes/probe15.py (results committed in 649bbaf);
+it imports modules by their paths at that commit — check it out there to run it again.
+Probe 15 (H200): programmatic dependent launch (flashspec.pdl) in the decode forward.
 (1) Races: the compiled forward's logits (1.5B shape, random weights, every map through
 decode_linear, widths 1 and 5), replayed 20 times from a CUDA graph with PDL and the weight
 prefetch on, must be bit-identical to the same forward with PDL off.
@@ -6,7 +8,7 @@ prefetch on, must be bit-identical to the same forward with PDL off.
 token row sends through decode_linear, PDL on or off, the L2 prefetch on or off — alternating,
 two rounds; both shapes.
 (3) A kernel timeline of one 1-token forward of the 1.5B shape, PDL off and on (all maps).
-Ran at commit 222b034; the prefetch was removed afterwards (probe 16, NOTES.md), so at later
+The prefetch was removed afterwards (probe 16, NOTES.md), so at later
 commits the prefetch switch it sets has no effect.
 Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe15.py
 Table for NOTES.md:      PYTHONPATH=. python benchmarks/probes/probe15.py --report benchmarks/probes/probe15_h200.json"""

@@ -1,4 +1,6 @@
-"""Probe 16 (H200): (1) PDL without the L2 prefetch, side by side, three rounds (probe 15 had the
+"""Ran at commit 649bbaf (2026-12-01), as benchmarks/probes/probe16.py (results committed in 1a969bb);
+it imports modules by their paths at that commit — check it out there to run it again.
+Probe 16 (H200): (1) PDL without the L2 prefetch, side by side, three rounds (probe 15 had the
 prefetch on in most PDL variants); (2) is a persistent decode kernel worth building? A Triton
 kernel that runs the Qwen2.5-1.5B layers' four matrix-vector products (q/k/v 1536→2048, o
 1536→1536, gate/up 1536→2×8960 with SiLU·up, down 8960→1536), 28 layers of distinct weights (so
@@ -6,7 +8,7 @@ nothing stays in L2), one program per SM or two, with a grid-wide barrier betwee
 (an atomic counter), optionally prefetching its next product's weight rows into L2 before each
 barrier; against the same chain as one decode_linear launch per product in a CUDA graph, and the
 barrier alone.
-Ran at commit 649bbaf; the prefetch switch it turns off (pdl.PREFETCH) was removed right after,
+The prefetch switch it turns off (pdl.PREFETCH) was removed right after,
 so at later commits that line has no effect.
 Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe16.py
 Table for NOTES.md:      PYTHONPATH=. python benchmarks/probes/probe16.py --report benchmarks/probes/probe16_h200.json"""

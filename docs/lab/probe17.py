@@ -1,4 +1,8 @@
-"""Probe 17 (H200): where the verify kernels lose their bandwidth at the >= 256-row points that
+"""Ran at commit ce5172a (2026-12-01), as benchmarks/probes/probe17.py, before the file itself was
+committed (with its results, in 42c3f4d); it imports modules by their paths at that commit — check
+out ce5172a and add the file (`git show 42c3f4d:benchmarks/probes/probe17.py >
+benchmarks/probes/probe17.py`) to run it again.
+Probe 17 (H200): where the verify kernels lose their bandwidth at the >= 256-row points that
 miss 60 % of copy bandwidth (session 9's run: 14 points, mostly temperature).
 (1) per-kernel CUDA time (torch.profiler) of the five kernels at those points, default tiles;
 (2) the same points in graph replay (as `flashspec bench gpu` times them) under other tile

@@ -1,9 +1,14 @@
-"""Probe 18 (H200): the verify kernels after folding the row partials into the decide kernel and
+"""Ran at commit ce5172a (2026-12-01) with an uncommitted flashspec/verify_triton.py, as
+benchmarks/probes/probe18.py (results committed in 42c3f4d); it imports modules by their paths then
+— check out a43c317, where both kernel versions it loads sit beside it, to run it again.
+Probe 18 (H200): the verify kernels after folding the row partials into the decide kernel and
 moving p_n's masses out of the residual kernel (4 kernels for sampling, 2 for greedy) against
-the five-kernel version of commit ce5172a (`verify_triton_ce5172a.py`, a verbatim copy), side by
+the five-kernel version of commit ce5172a (`verify_triton_ce5172a.py`, a verbatim copy, now deleted:
+`git show ce5172a:flashspec/verify_triton.py`, or the copy, `git show 42c3f4d:benchmarks/probes/verify_triton_ce5172a.py`), side by
 side at probe 17's points: graph-replay µs, per-kernel profile of the new version, and tokens
 against the PyTorch reference for both.
-The version it times is `verify_triton_probe18.py` (a verbatim copy of the working tree then): the
+The version it times is `verify_triton_probe18.py` (a verbatim copy of the working tree then, never
+committed as flashspec/verify_triton.py; now deleted: `git show a43c317:benchmarks/probes/verify_triton_probe18.py`): the
 residual/draw change was kept (commit 42c3f4d), the fused decide kernel was not (slower, see NOTES).
 Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe18.py
 Table for NOTES.md:      PYTHONPATH=. python benchmarks/probes/probe18.py --report benchmarks/probes/probe18_h200.json"""

@@ -1,8 +1,10 @@
-"""Probe 19 (H200): the row-fold kernel (kernel 2) took 5–11 µs in probe 17's profile for what is a
+"""Ran at commit 7edf5f4 (2026-12-01), as benchmarks/probes/probe19.py (results committed in a43c317);
+it imports modules by their paths at that commit — check it out there to run it again.
+Probe 19 (H200): the row-fold kernel (kernel 2) took 5–11 µs in probe 17's profile for what is a
 few KB of partials: its tiles hold 32–512 rows × up to 64 partials (~4096 values) per program,
 so a call has 1–36 programs. Here: rows per program (fold_rows) and warps, side by side in graph
 replay, at the points that miss 60 % of copy bandwidth.
-Ran at commit 7edf5f4 (fold_rows in `_tiles`, `FOLD_WARPS`); right after, the winner became
+At that commit `_tiles` had fold_rows and `FOLD_WARPS` existed; right after, the winner became
 `FOLD_ROWS = 4`, `FOLD_WARPS = 1` and `_tiles` lost its `fold_rows`, so at later commits the
 rows override here has no effect.
 Run from the repo root:  PYTHONPATH=. python benchmarks/probes/probe19.py

@@ -1,3 +1,5 @@
+"""Ran at commit 7a009e6 (2026-11-30), as benchmarks/probes/probe2.py (results committed with it); it
+imports modules by their paths at that commit — check it out there to run it again."""
 import sys, time, json, os, torch
 from flashspec import bench_gpu, bench_kernels
 bw = bench_kernels.measure_copy_bandwidth("cuda")

@@ -1,4 +1,6 @@
-"""Where does a Qwen2.5-1.5B-shaped decode forward spend its time? (kernel profile, H200)"""
+"""Ran at commit 9e4c7b7 (2026-11-30), as benchmarks/probes/probe3.py (results committed with it); it
+imports modules by their paths at that commit — check it out there to run it again.
+Where does a Qwen2.5-1.5B-shaped decode forward spend its time? (kernel profile, H200)"""
 import os, json, time, torch
 from torch.profiler import profile, ProfilerActivity
 from flashspec import bench_gpu

@@ -1,4 +1,6 @@
-"""Flash-decoding kernel vs SDPA inside StaticLM (eager + CUDA graphs, no compile), H200."""
+"""Ran at commit a46f870 (2026-11-30), as benchmarks/probes/probe4.py (results committed with it); it
+imports modules by their paths at that commit — check it out there to run it again.
+Flash-decoding kernel vs SDPA inside StaticLM (eager + CUDA graphs, no compile), H200."""
 import json, os, torch
 from flashspec import bench_gpu
 from flashspec.cache import StaticLM

@@ -1,4 +1,6 @@
-"""Where the speculative step's time outside the model forwards goes (H200): Qwen2.5-1.5B-shaped
+"""Ran at commit 24f4e24 (2026-12-01), as benchmarks/probes/probe5.py (results committed in 3e3f469);
+it imports modules by their paths at that commit — check it out there to run it again.
+Where the speculative step's time outside the model forwards goes (H200): Qwen2.5-1.5B-shaped
 target, 0.5B-shaped drafter (random weights; step costs do not depend on values), compile on,
 γ = 4, 256-token prompt, 256 new tokens. Per-step times from the engine's step log (mean vs
 median: the first step of a request re-feeds the whole prompt to the drafter), the forwards

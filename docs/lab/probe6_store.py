@@ -1,4 +1,7 @@
-"""Probe 6: would per-domain retrieval drafters (DatastoreDrafter over each domain's training
+"""Ran at commit 2c0c874 (2026-12-01) and, for its prompt lookup at longer drafts, 4e9df5f
+(2026-12-01), as benchmarks/probes/probe6_store.py; it imports modules by their paths at those
+commits — check out 4e9df5f to run it again.
+Probe 6: would per-domain retrieval drafters (DatastoreDrafter over each domain's training
 text) give the bandit arms whose ranking changes with the domain? Replays the target's own
 greedy outputs from the H200 e2e run (benchmarks/results/e2e_h200/long_b1/e2e.json: the same
 held-out prompts, 256 new tokens) and counts, step by step, how many drafts each drafter would

@@ -1,4 +1,7 @@
-"""Probe 7 (H200): the two-kernel verify (last program to arrive) against probe 2's five kernels,
+"""Ran at commit 3181ee7 (2026-12-01), as benchmarks/probes/probe7.py (results committed with it; its
+two-kernel verify was reverted in 9607e4b); it imports modules by their paths at that commit — check
+it out there to run it again.
+Probe 7 (H200): the two-kernel verify (last program to arrive) against probe 2's five kernels,
 and where the Llama-3-8B-shaped decode forward spends its time (default inductor settings
 against coordinate-descent tuning). Run from the repo root after the GPU tests:
     PYTHONPATH=. python benchmarks/probes/probe7.py

@@ -1,4 +1,6 @@
-"""Probe 8 (H200): the KV-cache write under torch.compile — a plain scatter_ (functionalised:
+"""Ran at commit 5dbbd9f (2026-12-01), as benchmarks/probes/probe8.py (results committed with it); it
+imports modules by their paths at that commit — check it out there to run it again.
+Probe 8 (H200): the KV-cache write under torch.compile — a plain scatter_ (functionalised:
 a copy of each layer's whole cache per forward) against the in-place custom op
 flashspec::write_kv — for the Llama-3-8B shape at two capacities. Run from the repo root:
     PYTHONPATH=. python benchmarks/probes/probe8.py

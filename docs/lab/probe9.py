@@ -1,4 +1,6 @@
-"""Probe 9 (H200): (1) the GPU tests after the fused rotary + cache-write kernel, and the engine's
+"""Ran at commit 51ecc2e (2026-12-01), as benchmarks/probes/probe9.py (results committed with it); it
+imports modules by their paths at that commit — check it out there to run it again.
+Probe 9 (H200): (1) the GPU tests after the fused rotary + cache-write kernel, and the engine's
 χ² tests on CUDA with queue_ahead on; (2) the decode forward with and without that kernel and with
 inductor's programmatic dependent launch (PDL), for the Qwen2.5-1.5B and Llama-3-8B shapes, plus
 the 1.5B's forward cost at verify widths 5-16 (the n-gram drafter's γ); (3) time to first token:

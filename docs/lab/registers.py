@@ -1,4 +1,7 @@
-"""Registers and spills of every decode_linear autotune configuration, compiled offline for the
+"""Ran (offline, no GPU; no results file: its table is NOTES.md's "registers") at commit 9676666
+(2026-12-01), as benchmarks/probes/registers.py; last changed at 4ab20dd (its kernel's row_class
+argument); it imports modules by their paths at those commits — check one out there to run it again.
+Registers and spills of every decode_linear autotune configuration, compiled offline for the
 H100/H200 (sm_90a) — no GPU needed. Triton compiles each configuration to PTX, and the ptxas that
 ships with Triton's NVIDIA backend (its newest one: `ptxas-blackwell`, which reads the PTX
 version Triton >= 3.9 writes) assembles it with `-v`. The local Triton may be newer than the GPU
