@@ -1,7 +1,9 @@
 """FlashSpec: exact speculative decoding for Hugging Face causal language models."""
 
 from .drafters import DatastoreDrafter, Draft, Drafter, History, ModelDrafter, NgramDrafter
-from .engine import GenerationOutput, GenerationStats, Selection, SpeculativeEngine
+from .engine import SpeculativeEngine
+from .select import Selection
+from .stats import GenerationOutput, GenerationStats
 from .sampling import SamplingParams
 from .verify import VerifyResult, verify
 

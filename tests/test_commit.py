@@ -1,4 +1,4 @@
-"""A step's bookkeeping (flashspec.engine.commit_step): the engine compiles it on a GPU, where a
+"""A step's bookkeeping (flashspec.loop.commit_step): the engine compiles it on a GPU, where a
 step is replayed as a CUDA graph, so the compiled function must do exactly what the eager one
 does — EOS cuts, token budgets, finished rows, a full log included."""
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashspec.engine import commit_step
+from flashspec.loop import commit_step
 
 
 def _state(batch: int, width: int, seed: int) -> dict[str, torch.Tensor]:

@@ -173,7 +173,7 @@ class AdversarialSelector:
     def __init__(self, num_arms: int) -> None:
         self.num_arms, self.t, self.last = num_arms, 0, 0
 
-    def select(self, context=None) -> int:
+    def select(self) -> int:
         self.t += 1
         if self.t <= self.num_arms:  # every arm once, then as a function of what was accepted
             return self.t - 1
@@ -205,9 +205,6 @@ class ConstantDrafter:
 
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms) -> Draft:
         return Draft(torch.zeros(history.tokens.shape[0], num_tokens, dtype=torch.long, device=history.tokens.device), None)
-
-    def accept(self, num_accepted) -> None:
-        pass
 
 
 def test_custom_deterministic_drafter_keeps_the_law():

@@ -31,7 +31,7 @@ class Recorder:
     def __init__(self, num_arms: int) -> None:
         self.num_arms, self.t, self.seen = num_arms, 0, []
 
-    def select(self, context=None) -> int:
+    def select(self) -> int:
         self.t += 1
         return (self.t - 1) % self.num_arms
 
@@ -83,13 +83,13 @@ def test_each_context_learns_separately_and_the_state_survives_a_restart(tmp_pat
     engine = SpeculativeEngine(TARGET, [DRAFT, "ngram"], gammas=[2], selector="ucb1", selector_options=options)
     engine.generate(PROMPTS, max_new_tokens=12, eos_token_id=[], context="code")
     engine.generate(PROMPTS, max_new_tokens=12, eos_token_id=[], context=("chat", 1))
-    assert engine.selector.total_updates == 0  # the default state saw neither request
-    assert engine._selectors["code"].total_updates > 0
+    assert engine.selection.selector.total_updates == 0  # the default state saw neither request
+    assert engine.selection.contexts["code"].total_updates > 0
     path = tmp_path / "selector.json"
-    engine.save_selector(str(path))
+    engine.selection.save(str(path))
     restarted = SpeculativeEngine(TARGET, [DRAFT, "ngram"], gammas=[2], selector="ucb1", selector_options=options)
-    restarted.load_selector(str(path))
-    assert restarted.selector_state() == engine.selector_state()
+    restarted.selection.load(str(path))
+    assert restarted.selection.state_dict() == engine.selection.state_dict()
     assert json.loads(path.read_text())["contexts"]  # plain JSON on disk
     # both continue identically
     a = engine.generate(PROMPTS, max_new_tokens=12, eos_token_id=[], context="code").stats.per_arm
@@ -103,7 +103,7 @@ def test_per_request_selection_starts_afresh_each_time():
     first = engine.generate(PROMPTS, max_new_tokens=12, eos_token_id=[]).stats.per_arm
     second = engine.generate(PROMPTS, max_new_tokens=12, eos_token_id=[]).stats.per_arm
     assert {k: v.steps for k, v in first.items()} == {k: v.steps for k, v in second.items()}
-    assert engine.selector.total_updates == 0
+    assert engine.selection.selector.total_updates == 0
 
 
 @pytest.mark.parametrize("gammas", [[], [0], [2, -1], [1.5], [True], "2"])
@@ -117,43 +117,43 @@ def test_bad_context_and_state_raise(tmp_path):
     with pytest.raises(ValueError, match="context"):
         engine.generate(PROMPTS, max_new_tokens=4, context=["not", "hashable"])
     with pytest.raises(ValueError, match="selector state"):
-        engine.load_selector_state({"nonsense": 1})
+        engine.selection.load_state_dict({"nonsense": 1})
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="selector state"):
-        engine.load_selector(str(bad))
+        engine.selection.load(str(bad))
     with pytest.raises(ValueError, match="arm"):  # a selector for 3 arms, but 1 is configured
         SpeculativeEngine(TARGET, [DRAFT], selector=Recorder(3))
 
 
 def test_selections_are_independent_learners_on_one_engine():
-    """``engine.selection`` / ``use_selection``: two learning states on one engine, each keeps
+    """``engine.selection`` and assigning it: two learning states on one engine, each keeps
     its own shared selector and its own per-context selectors."""
     engine = SpeculativeEngine(TARGET, [DRAFT, "ngram"], gammas=[2], selector="ucb1", selector_options={"seed": 0})
     first = engine.selection
-    engine.set_selector("thompson", seed=1)
+    engine.selection = engine.new_selection("thompson", seed=1)
     second = engine.selection
     assert first.selector is not second.selector
-    engine.use_selection(first)
+    engine.selection = first
     engine.generate([PROMPTS[0]], max_new_tokens=8, eos_token_id=[], context="code")
     assert set(first.contexts) == {"code"} and second.contexts == {}
-    engine.use_selection(second)
+    engine.selection = second
     engine.generate([PROMPTS[1]], max_new_tokens=8, eos_token_id=[])
     assert second.selector.total_updates > 0 and set(first.contexts) == {"code"}
-    with pytest.raises(ValueError, match="needs a Selection"):
-        engine.use_selection({"selector": None})
+    with pytest.raises(ValueError, match="must be a Selection"):
+        engine.selection = {"selector": None}
     target_only = SpeculativeEngine(TARGET, [])
     with pytest.raises(ValueError, match="different set of arms"):
-        target_only.use_selection(first)
+        target_only.selection = first
 
 
 def test_target_only_engine_still_checks_the_selector_name():
     engine = SpeculativeEngine(TARGET, [])
-    engine.set_selector("thompson")  # nothing to choose among, but a valid name
+    engine.new_selection("thompson")  # nothing to choose among, but a valid name
     with pytest.raises(ValueError, match="Unknown selector 'thompsen'"):
-        engine.set_selector("thompsen")
+        engine.new_selection("thompsen")
     with pytest.raises(ValueError, match="Bad option"):
-        engine.set_selector("ucb1", windw=3)
+        engine.new_selection("ucb1", windw=3)
 
 
 # ------------------------------------------------------------------ drafter catch-up window widths

@@ -11,7 +11,9 @@ import transformers
 
 from flashspec import SpeculativeEngine
 from flashspec.cache import StaticLM
-from flashspec.engine import DrafterStats, GenerationStats, _Run
+from flashspec.loop import _Run
+from flashspec.request import Request
+from flashspec.stats import DrafterStats, GenerationStats
 from flashspec.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -86,8 +88,11 @@ def test_steady_state_steps_do_not_synchronise(drafter, params):
 def _steps_without_synchronising(engine, params, gamma: int, steps: int) -> GenerationStats:
     """Prefill, 3 warm-up steps (eager first calls and graph captures), then ``steps`` steps with
     any device-to-host synchronisation raising an error; a final poll; the run's statistics."""
-    stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in engine.drafters})
-    run = _Run(engine, PROMPTS, params, [], 64, gamma, 0, stats)
+    request = Request(PROMPTS, params, eos=[], max_new_tokens=64, num_draft_tokens=gamma, seed=0, sync_every=1,
+                      context=None)
+    stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in engine.drafters},
+                            per_arm={engine.arm_label(a, gamma): DrafterStats() for a in range(len(engine.arms))})
+    run = _Run(engine._plan(request), request, stats)
     run.prefill()
     for _ in range(3):
         run.step()
@@ -106,7 +111,7 @@ def _steps_without_synchronising(engine, params, gamma: int, steps: int) -> Gene
 def test_compiled_bookkeeping_in_graphs(do_sample):
     """The compiled commit/log bookkeeping (what compile=True adds to a graph-replayed step) gives
     the tokens of the eager one, EOS cuts included, and its steady-state steps do not synchronise."""
-    from flashspec.engine import commit_step
+    from flashspec.loop import commit_step
 
     target, draft = tiny("llama", 0, torch.bfloat16), tiny("llama", 1, torch.bfloat16)
     kwargs = dict(max_new_tokens=40, num_draft_tokens=3, eos_token_id=[5, 9], do_sample=do_sample, seed=7)

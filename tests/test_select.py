@@ -63,21 +63,19 @@ def test_every_selector_has_the_interface(name):
     assert sel.kind == name and type(sel).kind == name
     arm = sel.select()
     assert 0 <= arm < 3
-    assert sel.select(context={"prompt": "anything"}) in range(3)  # context accepted, ignored
     sel.update(arm, obs(1, 2))
     assert sel.pulls[arm] == 1 and sel.total_updates == 1
     json.dumps(sel.state_dict())
 
 
-def test_legacy_forms_still_work():
+def test_fixed_needs_no_arm_count():
     fixed = make_selector("fixed")  # the release-1 call
     assert isinstance(fixed, FixedSelector) and fixed.select() == 0
-    fixed.update(0, 3, 4)  # update(arm, num_accepted, num_proposed)
-    ucb = make_selector("ucb1", 2, reward="acceptance")
-    ucb.update(1, 3, 4)
-    assert ucb.counts == [0, 1] and ucb.sums == [0.0, 0.75]
-    with pytest.raises(ValueError, match="throughput"):
-        make_selector("ucb1", 2).update(0, 3, 4)
+
+
+def test_update_takes_an_observation_only():
+    with pytest.raises(ValueError, match="Observation"):
+        make_selector("ucb1", 2, reward="acceptance").update(1, 3)
 
 
 # -- UCB1 ----------------------------------------------------------------------------------
@@ -519,13 +517,11 @@ def test_bad_updates_and_objects():
             sel.update(arm, obs(1))
     with pytest.raises(ValueError, match="needs an Observation"):
         sel.update(0, {"accepted": 1})
-    with pytest.raises(ValueError, match="no third argument"):
-        sel.update(0, obs(1), 3)
     acc = UCB1Selector(3, reward="acceptance")
     with pytest.raises(ValueError, match="proposed >= 1"):
         acc.update(0, Observation(0, 0, 1, 1.0))
     with pytest.raises(ValueError, match="cannot exceed"):
-        acc.update(0, 5, 4)
+        acc.update(0, Observation(5, 4, 5, 1.0))
     assert acc.total_updates == 0 and acc.counts == [0, 0, 0]  # nothing recorded on error
     with pytest.raises(ValueError, match="selector"):
         make_selector(object())

@@ -39,13 +39,15 @@ class Draft:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes draft tokens. The engine calls ``begin`` once per ``generate``, then per step
-    ``propose`` and ``accept`` (even for steps where another drafter was selected, ``accept``
-    is not called; a drafter must catch up from ``History`` on its next ``propose``).
+    """Proposes draft tokens (SPEC.md §4). The engine calls ``begin`` once per ``generate``,
+    then ``propose`` at each step this drafter's arm is chosen for. There is no feedback call:
+    what was accepted is in the :class:`History` of the next ``propose`` (the committed tokens),
+    and a drafter with a cache catches up from it — also after steps another drafter drafted.
 
     Optional: ``prefill(history)``, called once per ``generate`` right after the target's
     prefill (the history holds the prompts and the first new token), for a drafter that wants
-    to fill a cache while the request is still in its prefill."""
+    to fill a cache while the request is still in its prefill; ``forward_seconds``, the host
+    time spent in its model forwards so far (the statistics' engine-overhead figure)."""
 
     name: str
 
@@ -58,9 +60,6 @@ class Drafter(Protocol):
         """Exactly ``num_tokens`` drafts per row (``Draft.tokens`` is ``[B, num_tokens]``).
 
         ``uniforms [B, num_tokens]`` float64 are the random numbers for sampled drafts."""
-
-    def accept(self, num_accepted: torch.Tensor) -> None:
-        """The engine kept the first ``num_accepted[b]`` drafts of row ``b``."""
 
 
 def continuation(

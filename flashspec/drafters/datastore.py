@@ -140,6 +140,3 @@ class DatastoreDrafter:
             from_context = continuation(tokens, here, length, num_tokens, pending)
             drafts = torch.where((here >= 0)[:, None], from_context, drafts)
         return Draft(drafts, None)
-
-    def accept(self, num_accepted: torch.Tensor) -> None:
-        pass  # stateless

@@ -42,6 +42,11 @@ class ModelDrafter:
         self._seen_through: int | None = None  # History.max_length once the last proposal's step ends
         self._graph_inputs: tuple[int, ...] = ()
 
+    @property
+    def forward_seconds(self) -> float:
+        """Host time spent in this drafter's model forwards so far."""
+        return self._lm.forward_seconds
+
     def begin(self, batch_size: int) -> None:
         self._seen_through = None
 
@@ -132,6 +137,3 @@ class ModelDrafter:
                 logits = self._lm.forward(token[:, None], length + i, live)[:, 0]
         probs = torch.stack(laws, dim=1) if laws else None
         return torch.stack(drafted, dim=1), probs
-
-    def accept(self, num_accepted: torch.Tensor) -> None:
-        pass  # the next proposal re-feeds what the cache lacks

@@ -57,6 +57,3 @@ class NgramDrafter:
             take = (follow < 0) & (latest >= 0)
             follow = torch.where(take, latest + n, follow)
         return follow
-
-    def accept(self, num_accepted: torch.Tensor) -> None:
-        pass  # stateless

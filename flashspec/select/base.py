@@ -96,7 +96,7 @@ class Selector(Protocol):
     each step. The choice may depend on the past only (SPEC.md: then the output law is the
     target's whatever is chosen)."""
 
-    def select(self, context: Any = None) -> int:
+    def select(self) -> int:
         """The arm for the next step."""
 
     def update(self, arm: int, observation: Observation) -> None:
@@ -153,36 +153,19 @@ class BaseSelector:
 
     # -- the interface ---------------------------------------------------------------------
 
-    def select(self, context: Any = None) -> int:
-        """The arm for the next step. ``context`` is accepted for a future contextual
-        selector and ignored by every selector here."""
+    def select(self) -> int:
+        """The arm for the next step."""
         with self._lock:
             arm = self._select()
             self.selections[arm] += 1
             return arm
 
-    def update(self, arm: int, observation: Observation | int, proposed: int | None = None) -> None:
-        """Record what ``arm`` achieved in one step.
-
-        ``update(arm, Observation(...))`` is the interface. The older form
-        ``update(arm, num_accepted, num_proposed)`` is still accepted by selectors that do not
-        read step times (``reward="acceptance"``, fixed, oracle)."""
+    def update(self, arm: int, observation: Observation) -> None:
+        """Record what ``arm`` achieved in one step."""
         arm = self._check_arm(arm)
-        if isinstance(observation, Observation):
-            if proposed is not None:
-                raise ValueError("update(arm, observation) takes no third argument with an Observation.")
-            obs = observation
-        elif proposed is not None:
-            if self.uses_reward and self.reward == "throughput":
-                raise ValueError(
-                    "This selector uses reward='throughput', which needs the step's tokens and seconds: "
-                    "call update(arm, Observation(accepted, proposed, tokens, seconds))."
-                )
-            accepted = _count(observation, "accepted")
-            # tokens and seconds are placeholders here: nothing reads them.
-            obs = Observation(accepted, proposed, tokens=accepted, seconds=1.0)
-        else:
+        if not isinstance(observation, Observation):
             raise ValueError(f"update needs an Observation, got {observation!r}.")
+        obs = observation
         reward = self._reward(obs) if self.uses_reward else 0.0  # validate before any change
         with self._lock:
             if self.uses_reward and self.reward == "throughput" and reward > self._max_reward:

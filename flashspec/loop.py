@@ -1,0 +1,400 @@
+"""The decode loop: select → propose → score → verify → commit → update (SPEC.md §7).
+
+Glossary:
+
+* **plan** — what the engine hands a loop: the target behind its cache, the drafters, the arms
+  (drafter, γ), the CUDA graphs, the device buffers (:class:`Workspace`) and the selector of this
+  request. The loop reads nothing else of the engine.
+* **step** — one target forward over ``[pending token, γ drafts]`` per row; commits 1 … γ + 1
+  tokens per active row (accepted drafts, then the target's own token).
+* **poll** — every ``sync_every`` steps the host reads the per-step log back (the loop's only
+  synchronisation), hands it to the statistics and the selector (the *update*, lagged), and
+  learns whether any row is still generating.
+
+Nothing inside a step reads a tensor back to the host, so on CUDA the score-verify-commit work
+of a step is one graph replay and the host runs ahead of the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .drafters import Drafter, History
+from .graphs import Graphs
+from .request import Request
+from .select import Observation, Selector
+from .stats import GenerationStats, StepRecord
+from .verify import verify
+
+__all__ = ["Plan", "Workspace", "decode", "commit_tokens", "commit_step", "workspace_shape"]
+
+
+def workspace_shape(request: Request, gamma: int) -> tuple[int, int, int, int]:
+    """``(batch, capacity, γ, EOS ids)`` of the buffers ``request`` needs with drafts of up to
+    ``gamma`` tokens: room for the longest row plus one step of drafts past its budget (never
+    committed), rounded up so that requests of similar sizes share buffers and graphs."""
+    capacity = -(-(request.longest + request.max_new_tokens + gamma + 2) // 256) * 256
+    return len(request.rows), capacity, gamma, max(len(request.eos), 1)
+
+
+class Workspace:
+    """The device buffers of a decode loop, kept across ``generate`` calls of the same shape.
+
+    Captured CUDA graphs read and write these exact tensors, so they are filled in place for
+    each request and replaced (with every graph) only when the batch, capacity or γ changes.
+    """
+
+    def __init__(self, batch: int, capacity: int, gamma: int, num_eos: int, device: torch.device) -> None:
+        self.shape = (batch, capacity, gamma, num_eos)
+        long = dict(dtype=torch.long, device=device)
+        self.tokens = torch.zeros(batch, capacity, **long)
+        self.prompt_length = torch.zeros(batch, **long)
+        self.length = torch.zeros(batch, **long)
+        self.generated = torch.zeros(batch, **long)
+        self.max_new_tokens = torch.zeros(batch, **long)
+        self.active = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.eos = torch.full((num_eos,), -1, **long)  # -1 pads: never equal to a token
+        # Random numbers of a step: drafting [B, gamma], then verification [B, gamma + 1].
+        self.random = torch.zeros(batch, 2 * gamma + 1, dtype=torch.float64, device=device)
+        self.draft_tokens = torch.zeros(batch, gamma, **long)
+        self.draft_probs: torch.Tensor | None = None  # [B, gamma, V], allocated on first use
+        # Per-step log, read lagged: accepted drafts, rows still active, tokens committed.
+        self.log = torch.zeros(capacity + 1, 3, **long)
+        self.steps_taken = torch.zeros((), **long)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything one decode loop needs, handed over by the engine."""
+
+    target: Any  # the target behind its cache (flashspec.cache): forward(...), forward_seconds
+    drafters: list[Drafter]
+    arm_drafters: list[int]  # per arm: index into drafters
+    arm_gammas: list[int]  # per arm: its draft length, resolved for this request
+    labels: list[str]  # per arm: "drafter@γ"
+    selector: Selector | None  # None: target-only (no arms)
+    graphs: Graphs
+    workspace: Workspace
+    commit_step: Callable[..., None]  # commit_step, or its compiled form
+    tp: Any  # flashspec.parallel.TensorParallel, or None on one device
+    queue_ahead: bool  # queue the next step before a poll waits (CUDA)
+
+
+def decode(plan: Plan, request: Request, stats: GenerationStats, progress: bool = False) -> list[list[int]]:
+    """Run ``request`` to the end; fill ``stats``; return the new tokens of each row."""
+    run = _Run(plan, request, stats)
+    start = time.perf_counter()
+    run.prefill()
+    if plan.workspace.tokens.is_cuda:  # the first poll waits here anyway; the time is then the prefill's
+        torch.cuda.synchronize(plan.workspace.tokens.device)
+    stats.prefill_seconds = time.perf_counter() - start
+    forward_before = run.forward_seconds()
+    with tqdm(total=run.budget, disable=not progress, desc="generating", unit="tok") as bar:
+        # Every step commits at least one token per active row, so max_new_tokens - 1 steps
+        # finish every row; the loop reads the device only every sync_every steps.
+        for step in range(request.max_new_tokens - 1):
+            if step % request.sync_every == 0:
+                snapshot = run.snapshot()
+                if plan.queue_ahead:
+                    run.step()  # harmless if every row has finished: it commits nothing
+                running = run.poll(snapshot)
+                bar.update(run.generated_total - bar.n)
+                if not running:
+                    break
+                if plan.queue_ahead:
+                    continue
+            run.step()
+        run.poll()
+        bar.update(run.generated_total - bar.n)
+    stats.seconds = time.perf_counter() - start
+    stats.decode_seconds = stats.seconds - stats.prefill_seconds
+    stats.forward_seconds = run.forward_seconds() - forward_before
+    return run.sequences()
+
+
+class _Run:
+    """The state of one ``generate`` call: committed tokens, caches, counters.
+
+    The tensors live in the plan's :class:`Workspace` and are updated in place, so the
+    score-verify-commit work of a step can be replayed as a CUDA graph. Nothing inside a step
+    reads a tensor back to the host; :meth:`poll` does, every ``sync_every`` steps, to stop and
+    to hand statistics to the selector (lagged by up to ``sync_every`` steps).
+    """
+
+    def __init__(self, plan: Plan, request: Request, stats: GenerationStats) -> None:
+        ws = plan.workspace
+        device = ws.tokens.device
+        rows, max_new_tokens = request.rows, request.max_new_tokens
+        self.plan, self.params, self.stats, self.context = plan, request.params, stats, request.context
+        self.gamma = ws.shape[2]
+        self.batch = len(rows)
+        self.budget = self.batch * max_new_tokens
+        self.ws = ws
+        ws.tokens.zero_()
+        for b, r in enumerate(rows):
+            ws.tokens[b, : len(r)] = torch.tensor(r, device=device)
+        ws.prompt_length.copy_(torch.tensor([len(r) for r in rows]))
+        ws.length.copy_(ws.prompt_length)
+        ws.generated.zero_()
+        ws.max_new_tokens.fill_(max_new_tokens)
+        ws.active.fill_(True)
+        ws.eos.fill_(-1)
+        ws.eos[: len(request.eos)] = torch.tensor(request.eos, dtype=torch.long)
+        ws.log.zero_()
+        ws.steps_taken.zero_()
+        self.tokens, self.length, self.active, self.generated = ws.tokens, ws.length, ws.active, ws.generated
+        self.max_length = request.longest  # host-side upper bound on length.max()
+        self.length_limit = request.longest + max_new_tokens
+        self.rng = torch.Generator(device=device)
+        seed = request.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+            if plan.tp is not None:
+                seed = plan.tp.shared_seed(seed)  # identical random numbers on every rank
+        self.rng.manual_seed(seed)
+        self.draft_uniforms = ws.random[:, : self.gamma]
+        self.verify_uniforms = ws.random[:, self.gamma :]
+        self.chosen: list[int | None] = []  # host: the arm chosen at each step
+        self.proposed: list[int] = []  # host: drafts per active row at each step
+        self.clock = _StepClock(device)
+        self.polled = 0  # steps already handed to the stats and the selector
+        self.generated_total = 0  # tokens generated so far, as of the last poll
+        for drafter in plan.drafters:
+            drafter.begin(self.batch)
+
+    def prefill(self) -> None:
+        """Feed every prompt once and draw the first new token from the target alone."""
+        zeros = torch.zeros_like(self.length)
+        width = self.max_length
+        real = (torch.arange(width, device=self.tokens.device) < self.length[:, None]).long()
+        logits = self.plan.target.forward(self.tokens[:, :width], zeros, real, logits_at=(self.length - 1)[:, None])
+        no_drafts = self.ws.draft_tokens[:, :0]
+        self.ws.random.uniform_(generator=self.rng)
+        result = verify(logits, no_drafts, None, self.params, self.verify_uniforms[:, :1])
+        ws = self.ws
+        commit_tokens(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos, result.tokens, zeros)
+        self.max_length += 1
+        # Drafters with a cache fill it now, so that no step pays for a pass over the prompt.
+        history = History(self.tokens, self.length, self.active, self.max_length)
+        for drafter in self.plan.drafters:
+            prefill = getattr(drafter, "prefill", None)
+            if prefill is not None:
+                prefill(history)
+
+    def step(self) -> None:
+        """One speculative step: select → propose → score → verify → commit; the update
+        happens lagged, in :meth:`poll`."""
+        self.clock.mark()
+        arm, k = self._select()
+        has_probs = self._propose(arm, k)
+        self.plan.graphs.run((k, has_probs, self.params), lambda: self._score_verify_commit(k, has_probs))
+        self.chosen.append(arm)
+        self.proposed.append(k)
+        self.max_length = min(self.max_length + k + 1, self.length_limit)
+
+    def _select(self) -> tuple[int | None, int]:
+        """The arm of this step and its draft length (no arm, 0 drafts: target-only)."""
+        selector = self.plan.selector
+        if selector is None:
+            return None, 0
+        started = time.perf_counter()
+        arm = selector.select()
+        self.stats.selector_seconds += time.perf_counter() - started
+        return arm, self.plan.arm_gammas[arm]
+
+    def _propose(self, arm: int | None, k: int) -> bool:
+        """Draw this step's random numbers and let the arm's drafter fill the draft buffers;
+        returns whether the drafts come with their laws ``q``."""
+        ws, tp = self.ws, self.plan.tp
+        ws.random.uniform_(generator=self.rng)
+        if arm is None:
+            return False
+        history = History(self.tokens, self.length, self.active, self.max_length)
+        drafter = self.plan.drafters[self.plan.arm_drafters[arm]]
+        draft = drafter.propose(history, k, self.params, self.draft_uniforms[:, :k])
+        ws.draft_tokens[:, :k].copy_(draft.tokens)
+        has_probs = draft.probs is not None
+        if has_probs:
+            if ws.draft_probs is None:
+                shape = (self.batch, self.gamma, draft.probs.shape[-1])
+                ws.draft_probs = torch.empty(shape, dtype=draft.probs.dtype, device=draft.probs.device)
+            ws.draft_probs[:, :k].copy_(draft.probs)
+        if tp is not None:
+            # Rank 0's drafts for every rank: replicas of a drafter may differ in the last bit
+            # (e.g. kernels autotuned per process), and the ranks must verify the same drafts.
+            tp.broadcast_(ws.draft_tokens)
+            if has_probs:
+                tp.broadcast_(ws.draft_probs)
+        return has_probs
+
+    def _score_verify_commit(self, k: int, has_probs: bool) -> None:
+        """Score the drafts with the target, verify them, commit the result (tensor code only)."""
+        ws = self.ws
+        drafts = ws.draft_tokens[:, :k]
+        pending = self.tokens.gather(1, (self.length - 1)[:, None])
+        fed = torch.cat([pending, drafts], dim=1)
+        logits = self.plan.target.forward(fed, self.length - 1, self.active[:, None].expand_as(fed))
+        probs = ws.draft_probs[:, :k] if has_probs else None
+        result = verify(logits, drafts, probs, self.params, self.verify_uniforms[:, : k + 1])
+        self.plan.commit_step(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos,
+                              result.tokens, result.num_accepted, ws.log, ws.steps_taken)
+
+    def snapshot(self) -> _Snapshot:
+        """Start reading the per-step log, the stop flag and the token count back to the host:
+        non-blocking copies on a GPU, finished by :meth:`poll`. Marks the end of the last step."""
+        steps = len(self.chosen)
+        self.clock.mark()
+        marks = self.clock.take(steps - self.polled)
+        ws = self.ws
+        flags = torch.stack([self.active.any().long(), self.generated.sum()])
+        packed = torch.cat([ws.log[self.polled : steps].flatten(), flags])
+        if packed.is_cuda:
+            packed = packed.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            ready = None
+        return _Snapshot(steps, marks, packed, ready)
+
+    def poll(self, snapshot: _Snapshot | None = None) -> bool:
+        """Finish reading ``snapshot`` (taken now when not given; this waits for the device):
+        update statistics and the selector; return whether any row is still generating."""
+        snapshot = snapshot or self.snapshot()
+        if snapshot.ready is not None:
+            snapshot.ready.synchronize()  # the synchronisation
+        values = snapshot.packed.tolist()
+        *log, running, self.generated_total = values
+        if snapshot.steps > self.polled:
+            seconds = self.clock.seconds(snapshot.marks)
+            if self.plan.tp is not None and self.plan.selector is not None:
+                seconds = self.plan.tp.shared_floats(seconds)  # rank 0's clock: same rewards everywhere
+            entries = [log[i : i + 3] for i in range(0, len(log), 3)]
+            for arm, k, (accepted, active_rows, committed), dt in zip(
+                self.chosen[self.polled : snapshot.steps], self.proposed[self.polled : snapshot.steps], entries, seconds
+            ):
+                self._record(arm, k, accepted, active_rows, committed, dt)
+            self.polled = snapshot.steps
+        return bool(running)
+
+    def _record(
+        self, arm: int | None, k: int, accepted: int, active_rows: int, committed: int, seconds: float
+    ) -> None:
+        """The update: one polled step into the statistics and the selector."""
+        stats, plan = self.stats, self.plan
+        label = None if arm is None else plan.labels[arm]
+        stats.step_log.append(StepRecord(label, accepted, active_rows, committed, seconds))
+        stats.steps += 1
+        stats.row_steps += active_rows
+        stats.decode_tokens += committed
+        if arm is None or active_rows == 0:
+            return
+        observation = Observation(accepted, k * active_rows, committed, max(seconds, 1e-9))
+        started = time.perf_counter()
+        plan.selector.update(arm, observation)
+        stats.selector_seconds += time.perf_counter() - started
+        drafter = plan.drafters[plan.arm_drafters[arm]]
+        for per in (stats.per_drafter[drafter.name], stats.per_arm[label]):
+            per.steps += 1
+            per.proposed += k * active_rows
+            per.accepted += accepted
+        stats.proposed += k * active_rows
+        stats.accepted += accepted
+
+    def forward_seconds(self) -> float:
+        """Host time inside model forwards so far (target and model drafters)."""
+        return self.plan.target.forward_seconds + sum(getattr(d, "forward_seconds", 0.0) for d in self.plan.drafters)
+
+    def sequences(self) -> list[list[int]]:
+        out = []
+        for b in range(self.batch):
+            start, end = int(self.ws.prompt_length[b]), int(self.length[b])
+            out.append(self.tokens[b, start:end].tolist())
+        return out
+
+
+def commit_tokens(
+    tokens: torch.Tensor, length: torch.Tensor, active: torch.Tensor, generated: torch.Tensor,
+    max_new_tokens: torch.Tensor, eos: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
+) -> torch.Tensor:
+    """Append each active row's ``num_accepted + 1`` tokens of ``new_tokens [B, k+1]`` to
+    ``tokens [B, capacity]`` at ``length``, cut at the first EOS and at ``max_new_tokens``; update
+    ``length``, ``generated`` and ``active`` in place; return how many tokens were committed (a
+    device scalar). Tensor code only: no value goes back to the host."""
+    columns = torch.arange(new_tokens.shape[1], device=new_tokens.device)
+    take = torch.minimum(num_accepted + 1, max_new_tokens - generated)
+    is_eos = torch.isin(new_tokens, eos) & (columns < take[:, None])
+    first_eos = torch.where(is_eos, columns, new_tokens.shape[1]).amin(dim=1)
+    take = torch.minimum(take, first_eos + 1)
+    take = torch.where(active, take, 0)
+    index = length[:, None] + columns
+    write = columns < take[:, None]
+    current = tokens.gather(1, index)
+    tokens.scatter_(1, index, torch.where(write, new_tokens, current))
+    length += take
+    generated += take
+    finished = (first_eos < take) | (generated >= max_new_tokens)
+    active &= ~finished
+    return take.sum()
+
+
+def commit_step(
+    tokens: torch.Tensor, length: torch.Tensor, active: torch.Tensor, generated: torch.Tensor,
+    max_new_tokens: torch.Tensor, eos: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
+    log: torch.Tensor, steps_taken: torch.Tensor,
+) -> None:
+    """A step's bookkeeping after verification: :func:`commit_tokens` for the active rows, then
+    the step's log entry (drafts accepted, rows active, tokens committed) at ``log[steps_taken]``
+    (the last row once the log is full), and ``steps_taken += 1``."""
+    accepted = torch.where(active, num_accepted, 0)
+    active_rows = active.sum()
+    committed = commit_tokens(tokens, length, active, generated, max_new_tokens, eos, new_tokens, accepted)
+    entry = torch.stack([accepted.sum(), active_rows, committed])
+    log.index_copy_(0, steps_taken.clamp(max=log.shape[0] - 1)[None], entry[None])
+    steps_taken += 1
+
+
+class _StepClock:
+    """Step durations without synchronising: host clocks on the CPU, CUDA events (read only
+    after the poll's synchronisation) on a GPU. ``mark()`` at each step start and at each poll."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def take(self, steps: int) -> list[Any]:
+        """The marks bounding the last ``steps`` steps (one per step start, then the poll's);
+        the clock keeps the poll's mark only (the next step marks again)."""
+        marks = self.marks[-(steps + 1):] if steps else []
+        self.marks = self.marks[-1:]
+        return marks
+
+    def seconds(self, marks: list[Any]) -> list[float]:
+        """Seconds between consecutive ``marks`` (CUDA events must have completed)."""
+        if self.cuda:
+            return [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+
+@dataclass
+class _Snapshot:
+    """A read-back in flight: the log of steps up to ``steps`` plus the stop flag and the
+    number of generated tokens (``packed``, valid once ``ready`` has completed)."""
+
+    steps: int
+    marks: list[Any]
+    packed: torch.Tensor
+    ready: Any  # torch.cuda.Event, or None on the CPU

@@ -1,0 +1,102 @@
+"""An engine's learning state (SPEC.md §8): the selectors that choose arms, per request context.
+
+One object holds it all: the shared selector, the state every new context starts from, and
+the selector of each context seen so far. ``engine.selection`` is one; saving, loading and
+switching learned state all go through it:
+
+* ``engine.selection.save(path)`` / ``engine.selection.load(path)`` — JSON, across restarts;
+* ``engine.selection = engine.new_selection("thompson", seed=0)`` — start a different learner;
+  keep the old object to switch back (``saved = engine.selection``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable
+from typing import Any
+
+from .base import Selector
+from .registry import make_selector, selector_from_state_dict
+
+__all__ = ["Selection"]
+
+
+class Selection:
+    """The arms' selectors of one engine.
+
+    Args:
+        selector: a selector name (:data:`flashspec.select.SELECTORS`) or an object with
+            ``select``/``update``.
+        num_arms: the engine's number of (drafter, γ) arms; 0 for target-only (the name and
+            options are still checked, and no selector is made).
+        share: ``True`` — requests share what is learned (one selector per ``context``
+            label; ``None`` is the default label); ``False`` — each request starts afresh from
+            the initial state.
+        options: the named selector's options (``seed``, ``reward``, ...).
+    """
+
+    def __init__(self, selector: str | Selector, num_arms: int, *, share: bool = True, **options: Any) -> None:
+        self.num_arms = num_arms
+        self.share = bool(share)
+        if num_arms:
+            self.selector: Selector | None = make_selector(selector, num_arms, **options)
+        else:  # target-only: nothing to choose (the name and options are still checked)
+            make_selector(selector, 1, **options)
+            self.selector = None
+        self.initial_state = _state_of(self.selector)  # what a new context (or request) starts from
+        self.contexts: dict[Hashable, Selector] = {}
+
+    def for_request(self, context: Hashable = None) -> Selector | None:
+        """The selector a request labelled ``context`` uses (None: target-only)."""
+        if self.selector is None:
+            return None
+        if not self.share:
+            if self.initial_state is None:
+                raise ValueError("share_selector=False needs a selector with state_dict() to copy from.")
+            return selector_from_state_dict(self.initial_state)
+        if context is None:
+            return self.selector
+        if context not in self.contexts:
+            if self.initial_state is None:
+                raise ValueError("A context needs a selector with state_dict() to copy from.")
+            self.contexts[context] = selector_from_state_dict(self.initial_state)
+        return self.contexts[context]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the selectors learned, as JSON-serialisable values."""
+        contexts = {json.dumps(k): _state_of(v) for k, v in self.contexts.items()}
+        return {"default": _state_of(self.selector), "contexts": contexts}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (e.g. after a restart)."""
+        if not isinstance(state, dict) or "default" not in state:
+            raise ValueError("Not a selector state: expected the dict that state_dict() returns.")
+        if self.selector is not None and state["default"] is not None:
+            self.selector.load_state_dict(state["default"])
+        self.contexts = {
+            _hashable(json.loads(k)): selector_from_state_dict(v) for k, v in state.get("contexts", {}).items()
+        }
+
+    def save(self, path: str) -> None:
+        """Write :meth:`state_dict` as JSON."""
+        with open(path, "w") as f:
+            json.dump(self.state_dict(), f)
+
+    def load(self, path: str) -> None:
+        """Continue from a file written by :meth:`save`."""
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"Could not read a selector state from {path!r}: {error}") from None
+        self.load_state_dict(state)
+
+
+def _state_of(selector: Any) -> dict[str, Any] | None:
+    state_dict = getattr(selector, "state_dict", None)
+    return state_dict() if callable(state_dict) else None
+
+
+def _hashable(value: Any) -> Hashable:
+    """A context label back from JSON: lists (tuples once) become tuples again."""
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
