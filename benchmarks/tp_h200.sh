@@ -2,7 +2,7 @@
 # Tensor-parallel runs on one host (SPEC.md §9, README "Several GPUs"): 1, 2 and, where the host
 # has 4 GPUs, 4 processes of `python -m flashspec bench tp`, then a markdown summary.
 #
-#   benchmarks/tp_h200.sh [OUT_DIR] [extra bench_tp options, e.g. --no-compile]
+#   benchmarks/tp_h200.sh [OUT_DIR] [extra `flashspec bench tp` options, e.g. --no-compile]
 #
 # Writes OUT_DIR/tp1.json, tp2.json (tp4.json) and tp.md. Run from the repository root.
 set -euo pipefail

@@ -11,7 +11,7 @@ does not split evenly) targets over both, and decodes. Here we check that
   and with a learning selector timed by each rank's own clock;
 * a model whose heads do not split raises a ``ValueError`` that says so.
 
-The NCCL/CUDA path is the same code with another backend: ``python -m flashspec.bench.tp``.
+The NCCL/CUDA path is the same code with another backend: ``torchrun ... -m flashspec bench tp``.
 """
 
 from __future__ import annotations

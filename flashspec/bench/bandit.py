@@ -30,7 +30,6 @@ for each half), a reference no plain UCB1 enjoys.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..select import Observation, make_selector
+from .results import pyplot, save_figure, write_results
 
 __all__ = [
     "DEFAULT_SELECTORS",
@@ -178,6 +178,55 @@ def _curve_index(steps: int, points: int = CURVE_POINTS) -> np.ndarray:
     return np.unique(np.linspace(0, steps - 1, min(points, steps)).round().astype(int))
 
 
+def _scenario(scenario: str, spec: dict[str, Any], means: list[float], steps: int, seeds: int,
+              selectors: Sequence[str], bar: Any) -> dict[str, Any]:
+    """One scenario's entry of :func:`run`: the UCB1 bound (and its curve) and every selector's
+    regret over the seeds (final mean ± sd, curves at :func:`_curve_index`)."""
+    index = _curve_index(steps)
+    t_axis = (index + 1).tolist()  # number of steps played
+    entry: dict[str, Any] = {**spec, "curve_t": t_axis}
+    if spec["switch_at"] is None:
+        entry["ucb1_bound"] = ucb1_bound(means, steps)
+        entry["bound_curve"] = ucb1_bound(means, np.asarray(t_axis)).round(3).tolist()
+    else:
+        s = spec["switch_at"]
+        entry["ucb1_bound_restarted"] = ucb1_bound(means, s) + ucb1_bound(spec["switched_means"], steps - s)
+        t = np.asarray(t_axis, dtype=float)
+        curve = np.where(
+            t <= s,
+            ucb1_bound(means, t),
+            ucb1_bound(means, s) + ucb1_bound(spec["switched_means"], np.maximum(t - s, 1.0)),
+        )
+        entry["bound_curve"] = curve.round(3).tolist()
+    entry["selectors"] = {}
+    for name in selectors:
+        if bar is not None:
+            bar.set_postfix_str(f"{scenario}: {name}")
+        curves = np.empty((seeds, steps))
+        for seed in range(seeds):
+            curves[seed] = simulate(name, means, steps, seed, spec["switch_at"], spec["switched_means"])
+            if bar is not None:
+                bar.update(1)
+        final = curves[:, -1]
+        sd = float(final.std(ddof=1)) if seeds > 1 else 0.0
+        sel = {
+            "regret_mean": float(final.mean()),
+            "regret_sd": sd,
+            "curve_mean": curves[:, index].mean(axis=0).round(3).tolist(),
+            "curve_sd": (curves[:, index].std(axis=0, ddof=1) if seeds > 1 else np.zeros(index.size))
+            .round(3)
+            .tolist(),
+        }
+        if spec["switch_at"] is not None:
+            s = spec["switch_at"]
+            at_switch = curves[:, s - 1] if s > 0 else np.zeros(seeds)
+            sel["regret_before_switch_mean"] = float(at_switch.mean())
+            sel["regret_after_switch_mean"] = float((final - at_switch).mean())
+            sel["regret_after_switch_sd"] = float((final - at_switch).std(ddof=1)) if seeds > 1 else 0.0
+        entry["selectors"][name] = sel
+    return entry
+
+
 def run(
     steps: int = 10_000,
     arms: int = 3,
@@ -194,8 +243,6 @@ def run(
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
     scenarios = make_scenarios(steps, arms)
     means = stationary_means(arms)
-    index = _curve_index(steps)
-    t_axis = (index + 1).tolist()  # number of steps played
     started = time.perf_counter()
     results: dict[str, Any] = {
         "steps": steps,
@@ -215,56 +262,14 @@ def run(
     bar = tqdm(total=total, desc="bandit simulation", unit="run", disable=not progress) if tqdm else None
     try:
         for scenario, spec in scenarios.items():
-            entry: dict[str, Any] = {**spec, "curve_t": t_axis}
-            if spec["switch_at"] is None:
-                entry["ucb1_bound"] = ucb1_bound(means, steps)
-                entry["bound_curve"] = ucb1_bound(means, np.asarray(t_axis)).round(3).tolist()
-            else:
-                s = spec["switch_at"]
-                entry["ucb1_bound_restarted"] = ucb1_bound(means, s) + ucb1_bound(spec["switched_means"], steps - s)
-                t = np.asarray(t_axis, dtype=float)
-                curve = np.where(
-                    t <= s,
-                    ucb1_bound(means, t),
-                    ucb1_bound(means, s) + ucb1_bound(spec["switched_means"], np.maximum(t - s, 1.0)),
-                )
-                entry["bound_curve"] = curve.round(3).tolist()
-            entry["selectors"] = {}
-            for name in selectors:
-                if bar is not None:
-                    bar.set_postfix_str(f"{scenario}: {name}")
-                curves = np.empty((seeds, steps))
-                for seed in range(seeds):
-                    curves[seed] = simulate(name, means, steps, seed, spec["switch_at"], spec["switched_means"])
-                    if bar is not None:
-                        bar.update(1)
-                final = curves[:, -1]
-                sd = float(final.std(ddof=1)) if seeds > 1 else 0.0
-                sel = {
-                    "regret_mean": float(final.mean()),
-                    "regret_sd": sd,
-                    "curve_mean": curves[:, index].mean(axis=0).round(3).tolist(),
-                    "curve_sd": (curves[:, index].std(axis=0, ddof=1) if seeds > 1 else np.zeros(index.size))
-                    .round(3)
-                    .tolist(),
-                }
-                if spec["switch_at"] is not None:
-                    s = spec["switch_at"]
-                    at_switch = curves[:, s - 1] if s > 0 else np.zeros(seeds)
-                    sel["regret_before_switch_mean"] = float(at_switch.mean())
-                    sel["regret_after_switch_mean"] = float((final - at_switch).mean())
-                    sel["regret_after_switch_sd"] = float((final - at_switch).std(ddof=1)) if seeds > 1 else 0.0
-                entry["selectors"][name] = sel
-            results["scenarios"][scenario] = entry
+            results["scenarios"][scenario] = _scenario(scenario, spec, means, steps, seeds, selectors, bar)
     finally:
         if bar is not None:
             bar.close()
     results["seconds"] = round(time.perf_counter() - started, 2)
     if json_path is not None:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
+        write_results(json_path, results)
     if plot_path is not None:
-        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
         plot(results, plot_path)
     return results
 
@@ -313,14 +318,7 @@ def plot(results: dict[str, Any], path: str | Path) -> None:
     """Regret curves (mean ± sd band over seeds) per selector, one panel per scenario, with
     the UCB1 bound (restarted at the switch in the non-stationary scenarios); a symmetric-log
     y axis so that the oracle's 0 and the fixed arm's linear regret both show."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("Plots need matplotlib: pip install 'flashspec[bench]' (or pass no plot path).") from None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot(" (or pass no plot path)")
     scenarios = results["scenarios"]
     fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 6), squeeze=False)
     for ax, (scenario, entry) in zip(axes[0], scenarios.items()):
@@ -353,5 +351,4 @@ def plot(results: dict[str, Any], path: str | Path) -> None:
         fontsize=10,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

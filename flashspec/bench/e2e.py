@@ -9,7 +9,7 @@ static cache, assisted by each model drafter, prompt lookup) and FlashSpec (targ
 fixed (drafter, γ) arm, Thompson-sampling bandit over all arms with one state per domain).
 A new drafter or verification mode is one more entry there.
 
-Prompts: ``heldout_prompts`` (flashspec/bench.py) cuts them from the last 5 % of each corpus
+Prompts: ``heldout_prompts`` (:mod:`flashspec.bench.corpus`) cuts them from the last 5 % of each corpus
 file's decompressed bytes (from the first line start after the 95 % mark), starting at a random
 line among the first 90 % of the held-out lines (seeded per domain). Each prompt is then cut to
 a length drawn uniformly from the regime's range; the short regime's prompts are the first
@@ -25,8 +25,7 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,11 +34,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .core import DOMAINS, HELDOUT_FRACTION, heldout_prompts
 from ..cache import StaticLM, make_lm
 from ..drafters import History, ModelDrafter, NgramDrafter
 from ..engine import SpeculativeEngine
 from ..sampling import SamplingParams
+from .corpus import DOMAINS, HELDOUT_FRACTION, heldout_prompts, store_drafters
+from .results import pyplot, save_figure, write_results
+from .timing import best_seconds, forward_seconds, measured
 
 __all__ = [
     "FAMILIES",
@@ -92,25 +93,6 @@ class Call:
     peak_memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated during the call
     peak_growth_bytes: int | None = None  # ... minus what was allocated when it started
     selector_seconds: float | None = None  # host time choosing arms and learning (FlashSpec bandit)
-
-
-@contextmanager
-def _measured(device: torch.device) -> Iterator[dict[str, Any]]:
-    """Wall time of the body (synchronised on CUDA) and, on CUDA, its peak allocation."""
-    box: dict[str, Any] = {"peak": None, "growth": None}
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-    box["start"] = time.perf_counter()
-    yield box
-    if cuda:
-        torch.cuda.synchronize(device)
-    box["seconds"] = time.perf_counter() - box["start"]
-    if cuda:
-        box["peak"] = torch.cuda.max_memory_allocated(device)
-        box["growth"] = box["peak"] - before
 
 
 class _StreamClock:
@@ -221,7 +203,7 @@ class HFSystem(System):
         extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
         if temperature > 0:
             torch.manual_seed(seed)
-        with torch.inference_mode(), _measured(model.device) as m:
+        with torch.inference_mode(), measured(model.device) as m:
             out = model.generate(ids, attention_mask=mask, generation_config=config, streamer=clock, **extra)
         sequences = out[:, width:].tolist()
         steps = clock.tokens[1:]  # the first put is the prompt
@@ -257,19 +239,19 @@ class FlashSpecSystem(System):
             return super().warm(prompts, new_tokens, temperature, seed)
         engine = self.engine
         for arm in range(len(engine.arms)):
-            engine.set_selector("fixed", arm=arm)
+            engine.selection = engine.new_selection("fixed", arm=arm)
             super().warm(prompts, new_tokens, temperature, seed)
         for arm, (d, _) in enumerate(engine.arms):
             other = next((b for b, (e, _) in enumerate(engine.arms) if e != d), None)
             if isinstance(engine.drafters[d], ModelDrafter) and other is not None:
                 # the first proposal feeds the prompt; the third is a switch back
-                engine.set_selector(ScriptedSelector(len(engine.arms), [arm, other, arm]))
+                engine.selection = engine.new_selection(ScriptedSelector(len(engine.arms), [arm, other, arm]))
                 super().warm(prompts, new_tokens, temperature, seed)
-        engine.set_selector(self.selector, **self.selector_options)
+        engine.selection = engine.new_selection(self.selector, **self.selector_options)
 
     def generate(self, prompts, new_tokens, temperature, seed, context):
         engine = self.engine
-        with _measured(engine.target.device) as m:
+        with measured(engine.target.device) as m:
             out = engine.generate(
                 prompts, max_new_tokens=new_tokens, eos_token_id=[], do_sample=temperature > 0,
                 temperature=temperature or 1.0, seed=seed, context=context if self.per_context else None,
@@ -485,25 +467,6 @@ def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
     return tokens / (gamma * c + 1)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls after an untimed one: on a shared machine other
-    work only ever adds time, so the minimum is the least disturbed estimate."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return min(times)
-
-
 @torch.inference_mode()
 def forward_costs(target: Any, drafters: dict[str, Any], gammas: list[int], context: int, capacity: int,
                   repeats: int = 5, batch: int = 1) -> dict[str, Any]:
@@ -523,15 +486,13 @@ def forward_costs(target: Any, drafters: dict[str, Any], gammas: list[int], cont
     def lm_cost(model: Any, width: int) -> float:
         lm = make_lm(model)
         if device.type == "cuda" and isinstance(lm, StaticLM):
-            from .gpu import time_forward
-
-            return time_forward(lm, batch, width, context)
+            return forward_seconds(lm, batch, width, context)
         lm.reset(batch, context + max(widths) + 1)
         zero = torch.zeros(batch, dtype=torch.long, device=device)
         prefix = torch.randint(0, vocab, (batch, context), generator=gen).to(device)
         lm.forward(prefix, zero, logits_at=zero[:, None] + context - 1)
         new = torch.randint(0, vocab, (batch, width), generator=gen).to(device)
-        return _best_seconds(lambda: lm.forward(new, zero + context), device, repeats)
+        return best_seconds(lambda: lm.forward(new, zero + context), device, repeats)
 
     result: dict[str, Any] = {"context": context, "capacity": capacity, "repeats": repeats, "batch": batch,
                               "timing": "CUDA-graph replay" if device.type == "cuda" else "host clock"}
@@ -546,7 +507,7 @@ def forward_costs(target: Any, drafters: dict[str, Any], gammas: list[int], cont
             uniforms = torch.zeros(batch, max(gammas), dtype=torch.float64, device=device)
             drafter = _plain_drafter(d)
             per_token = min(
-                _best_seconds(lambda: drafter.propose(history, g, params, uniforms[:, :g]), device, repeats) / g
+                best_seconds(lambda: drafter.propose(history, g, params, uniforms[:, :g]), device, repeats) / g
                 for g in gammas
             )
         else:
@@ -765,13 +726,14 @@ def _summarize_cell(cell: dict[str, Any], chosen: list[System], names: list[str]
             if system.gamma is not None and costs is not None and row["acceptance_rate"] is not None:
                 c_ratio = costs["drafters"][system.drafter]["c"]
                 predicted = predicted_speedup(row["acceptance_rate"], system.gamma, c_ratio)
-                measured = row["speedup_vs_flashspec"]
+                measured_speedup = row["speedup_vs_flashspec"]
                 # The formula prices verifying γ + 1 tokens as one 1-token forward; v is what it
                 # measured, and the second figure prices it so (a diagnostic for the gap).
                 v = costs["target_seconds"][str(system.gamma + 1)] / costs["target_seconds"]["1"]
                 row["predicted"] = {"alpha": row["acceptance_rate"], "gamma": system.gamma, "c": c_ratio,
                                     "speedup": predicted,
-                                    "measured_over_predicted": measured / predicted if measured is not None else None,
+                                    "measured_over_predicted": (measured_speedup / predicted
+                                                                if measured_speedup is not None else None),
                                     "verify_cost": v,
                                     "speedup_with_verify_cost": predicted * (system.gamma * c_ratio + 1)
                                     / (system.gamma * c_ratio + v)}
@@ -792,9 +754,10 @@ def _add_step_cost_predictions(rows: list[dict[str, Any]]) -> None:
             continue
         c = max(0.0, (row["step_ms_p50"] / base - 1) / p["gamma"])
         predicted = predicted_speedup(p["alpha"], p["gamma"], c)
-        measured = row["speedup_vs_flashspec"]
+        measured_speedup = row["speedup_vs_flashspec"]
         p.update(c_from_steps=c, speedup_c_from_steps=predicted,
-                 measured_over_predicted_c_from_steps=measured / predicted if measured is not None else None)
+                 measured_over_predicted_c_from_steps=(measured_speedup / predicted
+                                                       if measured_speedup is not None else None))
 
 
 def _greedy_check(calls: list[dict[str, Any]]) -> dict[str, Any]:
@@ -877,92 +840,100 @@ def summarize(results: dict[str, Any]) -> str:
               for name, text in results["families"].items()]
     lines.append("")
     for cell in results["cells"]:
-        regime = Regime(**s["regimes"][cell["regime"]])
-        rows = cell["summary"]
-        domains = list(dict.fromkeys(r["domain"] for r in rows))
-        systems = list(dict.fromkeys(r["system"] for r in rows))
-        get = {(r["system"], r["domain"]): r for r in rows}
-        lines += [f"## {cell['regime']} ({regime.describe()}), batch {cell['batch_size']}", ""]
-        lines += ["Tokens/s per call (new tokens of the batch over the call's wall time, prefill included): "
-                  "median [min–max]. Speedups: median over batches of the paired ratio.", ""]
-        lines.append("| system | " + " | ".join(domains) + " | × hf | × flashspec |")
-        lines.append("|---|" + "---|" * (len(domains) + 2))
-        for name in systems:
-            cells = []
-            for d in domains:
-                r = get.get((name, d))
-                t = r["tokens_per_second"] if r else None
-                cells.append(f"{t['median']:.2f} [{t['min']:.2f}–{t['max']:.2f}]" if t else "—")
-            overall = get[(name, "all")]
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(overall['speedup_vs_hf'], '.2f', '×')} | "
-                         f"{_fmt(overall['speedup_vs_flashspec'], '.2f', '×')} |")
-        for skip in cell["not_applicable"]:
-            lines.append(f"| {skip['system']} | " + " | ".join("n/a" for _ in domains) + " | n/a | n/a |")
-        lines.append("")
-        perplexity = any(r.get("perplexity_median") is not None for r in rows)
-        lines.append("All domains pooled: acceptance α (accepted / proposed drafts), drafts accepted and tokens "
-                     "per step (per row), decode-step latency (a step: one target forward with its drafts; "
-                     "transformers' steps timed by a streamer), time to first token (median), the system's model "
-                     "weights, peak memory"
-                     + (", the target's perplexity of the samples (median)" if perplexity else "") + ".")
-        lines.append("")
-        header = ("| system | α | accepted/step | tokens/step | step p50 ms | step p99 ms | TTFT ms | weights | "
-                  "peak memory |")
-        lines += [header + (" perplexity |" if perplexity else ""),
-                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if perplexity else "")]
-        weights = {w["name"]: w["weight_bytes"] for w in results["systems"]}
-        for name in systems:
-            r = get[(name, "all")]
-            line = (f"| {name} | {_fmt(r['acceptance_rate'])} | {_fmt(r['accepted_per_step'])} | "
-                    f"{_fmt(r['tokens_per_step'])} | {_fmt(r['step_ms_p50'], '.1f')} | "
-                    f"{_fmt(r['step_ms_p99'], '.1f')} | {_fmt(r['first_token_ms_median'], '.0f')} | "
-                    f"{_bytes(weights[name])} | {_bytes(r['peak_memory_bytes'])} |")
-            lines.append(line + (f" {_fmt(r.get('perplexity_median'))} |" if perplexity else ""))
-        lines.append("")
-        predicted = [r for r in rows if "predicted" in r]
-        if predicted:
-            costs = cell["forward_costs"]
-            target_ms = ", ".join(f"{w} token{'s' if w != '1' else ''} {t * 1e3:.1f} ms"
-                                  for w, t in costs["target_seconds"].items())
-            drafter_c = ", ".join(f"{n} c = {d['c']:.3g}" for n, d in costs["drafters"].items())
-            if "timing" not in costs and results["machine"].get("gpu"):
-                drafter_c += (" (timed eagerly, by a version before CUDA-graph timing: on a GPU these are Python "
-                              "launch times, not the models'; read the step-based table below)")
-            lines += ["Analytic prediction (1 − α^(γ+1)) / ((1 − α)(γc + 1)) against the measured speedup "
-                      f"over FlashSpec target-only. Forward costs at {costs['context']} tokens of context: target "
-                      f"{target_ms}; {drafter_c}.", ""]
-            lines += _prediction_table(get, systems, domains, "speedup", "measured_over_predicted", None)
-            if any("c_from_steps" in r["predicted"] for r in predicted):
-                lines += ["The same with c read off this run's steps (a fixed arm's median step over target-only's "
-                          "= γc + 1 in the formula's cost model): measured / predicted then tests only the "
-                          "formula's independent-acceptance assumption.", ""]
-                lines += _prediction_table(get, systems, domains, "speedup_c_from_steps",
-                                           "measured_over_predicted_c_from_steps", "c_from_steps")
-        arms = [r for r in rows if "arm_steps" in r and r["domain"] != "all"]
-        for r in arms:
-            total = sum(r["arm_steps"].values())
-            shares = ", ".join(f"{a} {n / total:.0%}" for a, n in sorted(r["arm_steps"].items(), key=lambda x: -x[1]))
-            lines.append(f"* {r['system']}, {r['domain']}: steps by arm: {shares}.")
-        for r in rows:
-            if r["domain"] == "all" and "selection_us_per_step" in r:
-                lines.append(f"* {r['system']}: choosing arms and learning took {r['selection_us_per_step']:.0f} µs "
-                             f"of host time per step ({r['selection_share_of_step']:.2%} of the step time).")
-        if arms:
-            lines.append("")
-        greedy = cell.get("greedy")
-        if greedy:
-            parts = []
-            for name, g in greedy["systems"].items():
-                text = f"{name} {g['identical']}/{g['compared']}"
-                if g["differing"]:
-                    text += " (differ: " + ", ".join(f"{d['domain']} #{d['prompt']} from token {d['first_difference']}"
-                                                     for d in g["differing"][:5])
-                    text += ", …)" if len(g["differing"]) > 5 else ")"
-                parts.append(text)
-            lines.append(f"Greedy outputs identical to `{greedy['reference']}`: " + "; ".join(parts) + ".")
-            lines.append("")
+        lines += _cell_lines(results, cell)
     lines.append("Peak memory: " + s["peak_memory"] + ". Raw per-call data (outputs, step times, arms): `e2e.json`.")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
+
+
+def _cell_lines(results: dict[str, Any], cell: dict[str, Any]) -> list[str]:
+    """Markdown of one regime × batch-size cell of :func:`summarize`."""
+    s = results["settings"]
+    lines: list[str] = []
+    regime = Regime(**s["regimes"][cell["regime"]])
+    rows = cell["summary"]
+    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    get = {(r["system"], r["domain"]): r for r in rows}
+    lines += [f"## {cell['regime']} ({regime.describe()}), batch {cell['batch_size']}", ""]
+    lines += ["Tokens/s per call (new tokens of the batch over the call's wall time, prefill included): "
+              "median [min–max]. Speedups: median over batches of the paired ratio.", ""]
+    lines.append("| system | " + " | ".join(domains) + " | × hf | × flashspec |")
+    lines.append("|---|" + "---|" * (len(domains) + 2))
+    for name in systems:
+        cells = []
+        for d in domains:
+            r = get.get((name, d))
+            t = r["tokens_per_second"] if r else None
+            cells.append(f"{t['median']:.2f} [{t['min']:.2f}–{t['max']:.2f}]" if t else "—")
+        overall = get[(name, "all")]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(overall['speedup_vs_hf'], '.2f', '×')} | "
+                     f"{_fmt(overall['speedup_vs_flashspec'], '.2f', '×')} |")
+    for skip in cell["not_applicable"]:
+        lines.append(f"| {skip['system']} | " + " | ".join("n/a" for _ in domains) + " | n/a | n/a |")
+    lines.append("")
+    perplexity = any(r.get("perplexity_median") is not None for r in rows)
+    lines.append("All domains pooled: acceptance α (accepted / proposed drafts), drafts accepted and tokens "
+                 "per step (per row), decode-step latency (a step: one target forward with its drafts; "
+                 "transformers' steps timed by a streamer), time to first token (median), the system's model "
+                 "weights, peak memory"
+                 + (", the target's perplexity of the samples (median)" if perplexity else "") + ".")
+    lines.append("")
+    header = ("| system | α | accepted/step | tokens/step | step p50 ms | step p99 ms | TTFT ms | weights | "
+              "peak memory |")
+    lines += [header + (" perplexity |" if perplexity else ""),
+              "|---|---|---|---|---|---|---|---|---|" + ("---|" if perplexity else "")]
+    weights = {w["name"]: w["weight_bytes"] for w in results["systems"]}
+    for name in systems:
+        r = get[(name, "all")]
+        line = (f"| {name} | {_fmt(r['acceptance_rate'])} | {_fmt(r['accepted_per_step'])} | "
+                f"{_fmt(r['tokens_per_step'])} | {_fmt(r['step_ms_p50'], '.1f')} | "
+                f"{_fmt(r['step_ms_p99'], '.1f')} | {_fmt(r['first_token_ms_median'], '.0f')} | "
+                f"{_bytes(weights[name])} | {_bytes(r['peak_memory_bytes'])} |")
+        lines.append(line + (f" {_fmt(r.get('perplexity_median'))} |" if perplexity else ""))
+    lines.append("")
+    predicted = [r for r in rows if "predicted" in r]
+    if predicted:
+        costs = cell["forward_costs"]
+        target_ms = ", ".join(f"{w} token{'s' if w != '1' else ''} {t * 1e3:.1f} ms"
+                              for w, t in costs["target_seconds"].items())
+        drafter_c = ", ".join(f"{n} c = {d['c']:.3g}" for n, d in costs["drafters"].items())
+        if "timing" not in costs and results["machine"].get("gpu"):
+            drafter_c += (" (timed eagerly, by a version before CUDA-graph timing: on a GPU these are Python "
+                          "launch times, not the models'; read the step-based table below)")
+        lines += ["Analytic prediction (1 − α^(γ+1)) / ((1 − α)(γc + 1)) against the measured speedup "
+                  f"over FlashSpec target-only. Forward costs at {costs['context']} tokens of context: target "
+                  f"{target_ms}; {drafter_c}.", ""]
+        lines += _prediction_table(get, systems, domains, "speedup", "measured_over_predicted", None)
+        if any("c_from_steps" in r["predicted"] for r in predicted):
+            lines += ["The same with c read off this run's steps (a fixed arm's median step over target-only's "
+                      "= γc + 1 in the formula's cost model): measured / predicted then tests only the "
+                      "formula's independent-acceptance assumption.", ""]
+            lines += _prediction_table(get, systems, domains, "speedup_c_from_steps",
+                                       "measured_over_predicted_c_from_steps", "c_from_steps")
+    arms = [r for r in rows if "arm_steps" in r and r["domain"] != "all"]
+    for r in arms:
+        total = sum(r["arm_steps"].values())
+        shares = ", ".join(f"{a} {n / total:.0%}" for a, n in sorted(r["arm_steps"].items(), key=lambda x: -x[1]))
+        lines.append(f"* {r['system']}, {r['domain']}: steps by arm: {shares}.")
+    for r in rows:
+        if r["domain"] == "all" and "selection_us_per_step" in r:
+            lines.append(f"* {r['system']}: choosing arms and learning took {r['selection_us_per_step']:.0f} µs "
+                         f"of host time per step ({r['selection_share_of_step']:.2%} of the step time).")
+    if arms:
+        lines.append("")
+    greedy = cell.get("greedy")
+    if greedy:
+        parts = []
+        for name, g in greedy["systems"].items():
+            text = f"{name} {g['identical']}/{g['compared']}"
+            if g["differing"]:
+                text += " (differ: " + ", ".join(f"{d['domain']} #{d['prompt']} from token {d['first_difference']}"
+                                                 for d in g["differing"][:5])
+                text += ", …)" if len(g["differing"]) > 5 else ")"
+            parts.append(text)
+        lines.append(f"Greedy outputs identical to `{greedy['reference']}`: " + "; ".join(parts) + ".")
+        lines.append("")
+    return lines
 
 
 def _prediction_table(get: dict[tuple[str, str], dict[str, Any]], systems: list[str], domains: list[str],
@@ -988,13 +959,7 @@ def _prediction_table(get: dict[tuple[str, str], dict[str, Any]], systems: list[
 def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     """PNGs: tokens/s per system and domain; accepted drafts per step; the bandit's arms over
     time. Returns the files written."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("Plots need matplotlib: pip install 'flashspec[bench]'.") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     cells = results["cells"]
     written = []
     every = [system["name"] for system in results["systems"]]  # one colour per system in every panel
@@ -1019,10 +984,7 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_title(label(cell))
         ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     fig.tight_layout()
-    path = out_dir / "tokens_per_second.png"
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    written.append(path)
+    written.append(save_figure(fig, out_dir / "tokens_per_second.png", dpi=110, bbox_inches="tight"))
 
     speculative = list(dict.fromkeys(c["system"] for cell in cells for c in cell["calls"]
                                      if any(a > 0 for a in c["step_accepted"]) or c["proposed"]))
@@ -1043,10 +1005,7 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
                 ax.set_xlabel("drafts accepted per step (per row)", fontsize=7)
                 ax.set_ylabel("share of steps", fontsize=7)
         fig.tight_layout()
-        path = out_dir / "accepted_lengths.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure(fig, out_dir / "accepted_lengths.png", dpi=110, bbox_inches="tight"))
 
     bandit = [(cell, c) for cell in cells for c in cell["calls"] if "arms" in c]
     if bandit:
@@ -1069,20 +1028,14 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
                 ax.set_ylabel("share of steps", fontsize=8)
                 ax.legend(fontsize=6, loc="lower right")
         fig.tight_layout()
-        path = out_dir / "bandit_arms.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure(fig, out_dir / "bandit_arms.png", dpi=110, bbox_inches="tight"))
     return written
 
 
 def write(results: dict[str, Any], out_dir: Path) -> list[Path]:
     """``e2e.json`` (everything, per call), ``e2e.md`` (the tables) and the PNGs in ``out_dir``."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "e2e.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "e2e.md").write_text(summarize(results))
-    return [out_dir / "e2e.json", out_dir / "e2e.md", *plot(results, out_dir)]
+    return [*write_results(out_dir / "e2e.json", results, summarize(results)), *plot(results, out_dir)]
 
 
 def rewrite_report(out_dir: Path) -> list[Path]:
@@ -1154,8 +1107,6 @@ def load_and_run(
         tok = load_tokenizer(tokenizer or target)
         prompts = make_prompts(regimes, prompts_per_domain, tokenizer=tok, corpus=corpus, seed=seed)
         model = load_model(target, device, torch_dtype)
-        from .core import store_drafters
-
         drafters = {}
         for spec, built in zip(drafts, store_drafters(drafts, corpus, tok)):  # "store:DOMAIN": a datastore
             is_path = isinstance(built, str) and built != "ngram"

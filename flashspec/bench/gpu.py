@@ -4,7 +4,7 @@
 
 1. the device's copy bandwidth (the ceiling every "fraction of bandwidth" below refers to);
 2. the verification kernels against the PyTorch reference over a grid of shapes
-   (:mod:`flashspec.bench_kernels`);
+   (:mod:`flashspec.bench.kernels`);
 3. end to end at batch 1, for each target given: target-only decoding against its HBM roofline
    (weight + KV bytes per token over the copy bandwidth), speculative decoding with its drafter,
    the share of a speculative step spent outside the model forwards, greedy drift in bf16 and
@@ -16,7 +16,6 @@ shapes (``--shaped llama3-8b``): a forward's time does not depend on the weights
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
@@ -25,11 +24,12 @@ from typing import Any
 
 import torch
 
-from ..kernels import pdl
-from .core import DOMAINS, heldout_prompts
 from ..cache import StaticLM
 from ..engine import SpeculativeEngine
-from ..graphs import Graphs
+from ..kernels import pdl
+from .corpus import DOMAINS, heldout_prompts
+from .results import write_results
+from .timing import forward_seconds, synchronize
 
 SHAPES = {
     # Llama-3-8B, Llama-3.2-1B and Qwen2.5-1.5B/0.5B shapes (public configs); random weights.
@@ -86,31 +86,11 @@ def kv_bytes_per_token(model: Any, context: float) -> float:
     return per_position * context * next(model.parameters()).element_size()
 
 
-def time_forward(lm: StaticLM, batch: int, width: int, context: int, iters: int = 50) -> float:
-    """Median seconds of one graph-replayed forward of ``width`` tokens after ``context``."""
-    device = lm.model.device
-    lm.reset(batch, context + width + 1)
-    tokens = torch.randint(0, lm.model.config.vocab_size, (batch, width), device=device)
-    start = torch.full((batch,), context, dtype=torch.long, device=device)
-    graphs = Graphs(enabled=True)
-    for _ in range(2):
-        graphs.run("forward", lambda: lm.forward(tokens, start))
-    times = []
-    for _ in range(iters):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graphs.run("forward", lambda: lm.forward(tokens, start))
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1000)
-    return statistics.median(times)
-
-
 def _decode(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens: int, **kwargs: Any) -> dict:
     """Decode each prompt alone (batch 1); tokens/s per prompt, stats and the outputs."""
     rates, steps, decode_seconds, outputs, accepted, proposed = [], 0, 0.0, [], 0, 0
     for prompt in prompts:
-        torch.cuda.synchronize()
+        synchronize(engine.target.device)
         out = engine.generate([prompt], max_new_tokens=max_new_tokens, eos_token_id=[], **kwargs)
         s = out.stats
         rates.append(s.decode_tokens / s.decode_seconds)
@@ -133,10 +113,10 @@ def _decode(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens:
 def _hf_generate_rate(model: Any, prompt: list[int], max_new_tokens: int) -> float:
     ids = torch.tensor([prompt], device=model.device)
     model.generate(ids, max_new_tokens=8, do_sample=False)
-    torch.cuda.synchronize()
+    synchronize(model.device)
     begin = time.perf_counter()
     out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
-    torch.cuda.synchronize()
+    synchronize(model.device)
     return (out.shape[1] - len(prompt)) / (time.perf_counter() - begin)
 
 
@@ -199,12 +179,12 @@ def bench_pair(
     # Step anatomy: the forwards alone (graph replays) against a measured speculative step.
     lm_target = baseline._target_lm
     context_int = int(context)
-    fwd = {"target_1": time_forward(lm_target, 1, 1, context_int),
-           f"target_{gamma + 1}": time_forward(lm_target, 1, gamma + 1, context_int)}
+    fwd = {"target_1": forward_seconds(lm_target, 1, 1, context_int),
+           f"target_{gamma + 1}": forward_seconds(lm_target, 1, gamma + 1, context_int)}
     if drafter is not None and isinstance(speculative.drafters[0]._lm, StaticLM):
         lm_draft = speculative.drafters[0]._lm
-        fwd["drafter_1"] = time_forward(lm_draft, 1, 1, context_int)
-        fwd["drafter_2"] = time_forward(lm_draft, 1, 2, context_int)
+        fwd["drafter_1"] = forward_seconds(lm_draft, 1, 1, context_int)
+        fwd["drafter_2"] = forward_seconds(lm_draft, 1, 2, context_int)
     result["forward_seconds"] = fwd
     if isinstance(lm_target, StaticLM):
         result["forward_by_decode_maps"] = forward_by_decode_maps(lm_target, (1, gamma + 1), context_int)
@@ -249,7 +229,7 @@ def forward_by_decode_maps(lm: StaticLM, widths: tuple[int, ...], context: int, 
                 pdl.ENABLED = pdl_setting and use_pdl
                 times = out.setdefault(label, {})
                 for width in widths:
-                    times.setdefault(str(width), []).append(time_forward(lm, 1, width, context))
+                    times.setdefault(str(width), []).append(forward_seconds(lm, 1, width, context))
     finally:
         lm.decode_maps, lm.decode_maps_wide = default
         pdl.ENABLED = pdl_setting
@@ -326,12 +306,15 @@ def run(
     copy_bw = bench_kernels.measure_copy_bandwidth("cuda")
     results["copy_bandwidth_bytes_per_second"] = copy_bw
     print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s", flush=True)
-    save = lambda: (out_dir / "gpu.json").write_text(json.dumps(results, indent=1))  # noqa: E731
+
+    def save() -> None:  # after every section, so that a later failure loses only that section
+        write_results(out_dir / "gpu.json", results)
+
     if kernels:
         results["kernels"] = bench_kernels.bench_verify("cuda")
         save()
         table = bench_kernels.format_table(results["kernels"], copy_bw)
-        (out_dir / "kernels.md").write_text(table + "\n")
+        write_results(out_dir / "kernels.md", markdown=table)
         print(table, flush=True)
 
     results["pairs"] = []
@@ -363,14 +346,13 @@ def run(
         del t_model, d_model
         torch.cuda.empty_cache()
         save()
-    save()
-    (out_dir / "gpu.md").write_text(summarize(results) + "\n")
+    write_results(out_dir / "gpu.json", results, summarize(results))
     print(summarize(results), flush=True)
     return results
 
 
 def summarize(results: dict[str, Any]) -> str:
-    """Markdown tables of the end-to-end results (the kernel table is bench_kernels')."""
+    """Markdown tables of the end-to-end results (the kernel table is :func:`flashspec.bench.kernels.format_table`)."""
     bw = results["copy_bandwidth_bytes_per_second"]
     lines = [f"Copy bandwidth (measured in this run): **{bw / 1e12:.2f} TB/s** on {results['machine']['gpu']}.", ""]
     for pair in results.get("pairs", []):

@@ -4,20 +4,20 @@
 device-to-device copy); :func:`bench_verify` times ``verify`` on both backends over a grid of
 batch sizes, γ, vocabularies and modes, checks that both agree on each input, and reports the
 Triton path's achieved bandwidth against that ceiling; :func:`format_table` renders the rows as
-markdown. Importing this module needs neither CUDA nor Triton (Triton is imported by
-``verify`` when the Triton backend runs).
+markdown. The timers are :mod:`flashspec.bench.timing`'s. Importing this module needs neither
+CUDA nor Triton (Triton is imported by ``verify`` when the Triton backend runs).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Any, Callable
 
 import torch
 
 from ..sampling import SamplingParams, probabilities, sample
 from ..verify import verify
+from .timing import alternating, event_seconds, graph_replay_seconds
 
 __all__ = ["bench_verify", "format_table", "measure_copy_bandwidth", "parity_stress"]
 
@@ -29,65 +29,6 @@ MODE_PARAMS = {
 }
 
 
-def _time_rounds(fn: Callable[[int], Any], calls_per_round: int, rounds: int) -> float:
-    """Median over ``rounds`` of the CUDA-event time of ``calls_per_round`` calls, per call (s)."""
-    times = []
-    for r in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(calls_per_round):
-            fn(r * calls_per_round + i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls_per_round)
-    return statistics.median(times)
-
-
-def _timed(fn: Callable[[int], Any], target_round_s: float = 0.02, rounds: int = 7) -> float:
-    """Warm up, size the rounds to ~``target_round_s``, return the median seconds per call."""
-    return _timed_alternating([fn], target_round_s, rounds)[0]
-
-
-def _timed_alternating(
-    fns: list[Callable[[int], Any]], target_round_s: float = 0.02, rounds: int = 7
-) -> list[float]:
-    """Median seconds per call of each of ``fns``, their timed rounds alternating (a, b, a, b,
-    ...), so that a host or GPU that slows down for a while slows every candidate alike.
-
-    Each is warmed up and its rounds sized to ~``target_round_s`` first."""
-    calls = []
-    for fn in fns:
-        for i in range(3):
-            fn(i)
-        torch.cuda.synchronize()
-        estimate = _time_rounds(fn, 3, 1)
-        calls.append(int(min(200, max(5, target_round_s / max(estimate, 1e-7)))))
-    times: list[list[float]] = [[] for _ in fns]
-    for r in range(rounds):
-        for j, fn in enumerate(fns):  # round r continues where round r - 1 stopped (input sets rotate)
-            times[j].append(_time_rounds(lambda i, fn=fn, first=r * calls[j]: fn(first + i), calls[j], 1))
-    return [statistics.median(t) for t in times]
-
-
-def _graph_timed(calls: list[Callable[[], Any]]) -> float:
-    """Seconds per call when ``calls`` are replayed from one CUDA graph (launch costs gone)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    try:
-        return _timed(lambda _: graph.replay()) / len(calls)
-    finally:
-        del graph
-        torch.cuda.empty_cache()
-
-
 def measure_copy_bandwidth(device: str | torch.device = "cuda", nbytes: int = 1 << 30, repeats: int = 30) -> float:
     """Device-to-device copy bandwidth in bytes/s: bytes read plus bytes written by one large
     ``copy_``, median of ``repeats`` CUDA-event-timed copies."""
@@ -96,7 +37,7 @@ def measure_copy_bandwidth(device: str | torch.device = "cuda", nbytes: int = 1 
     with torch.cuda.device(src.device):
         for _ in range(3):
             dst.copy_(src)
-        seconds = _time_rounds(lambda _: dst.copy_(src), 1, repeats)
+        seconds = event_seconds(lambda _: dst.copy_(src), 1, repeats)
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / seconds
@@ -178,12 +119,12 @@ def bench_verify(
         def run(backend: str) -> Callable[[int], Any]:
             return lambda i: verify(*sets[i % n_sets][:3], params, sets[i % n_sets][3], backend=backend)
 
-        reference_s, triton_s = _timed_alternating([run("reference"), run("triton")])
+        reference_s, triton_s = alternating([run("reference"), run("triton")])
         graph_s: dict[str, float | None] = {}
         for backend in ("reference", "triton"):
             calls = [lambda s=s, b=backend: verify(*s[:3], params, s[3], backend=b) for s in sets]
             try:
-                graph_s[backend] = _graph_timed(calls)
+                graph_s[backend] = graph_replay_seconds(calls)
             except Exception as error:  # noqa: BLE001 - report, do not stop the benchmark
                 graph_s[backend] = None
                 print(f"graph capture failed for {backend} at V={vocab} B={batch} γ={gamma} {mode}: {error}")

@@ -2,11 +2,12 @@
 
 Launch one process per GPU::
 
-    torchrun --standalone --nproc-per-node 2 -m flashspec.bench_tp --out benchmarks/results/tp
-    python -m flashspec.bench_tp summarize benchmarks/results/tp      # markdown table of all runs
+    torchrun --standalone --nproc-per-node 2 -m flashspec bench tp --out benchmarks/results/tp
+    flashspec bench tp --summarize benchmarks/results/tp      # markdown table of all runs
 
 (``benchmarks/tp_h200.sh`` runs 1, 2 and, where there are 4 GPUs, 4 processes, then the summary.)
-With ``N`` processes, rank 0 writes ``OUT/tp{N}.json``. Sections:
+``flashspec bench tp`` turns its flags into a :class:`TPOptions` and calls :func:`run`. With
+``N`` processes, rank 0 writes ``OUT/tp{N}.json``. Sections:
 
 1. **equality** (N > 1): greedy tokens of the sharded target vs one process with the whole
    model on rank 0's GPU, float32: tiny Llama (GQA), Qwen2 (q/k/v biases) and Qwen3 (tied head,
@@ -28,17 +29,16 @@ Every rank checks that all ranks produced the same tokens. NVLink multicast stay
 
 from __future__ import annotations
 
-import argparse
 import copy
 import itertools
 import json
-import math
 import os
 import platform
 import statistics
-import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -48,9 +48,11 @@ import torch.distributed as dist
 # GPUs out of service (the machines' notes). Set unconditionally, not as defaults.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
-from .gpu import SHAPES, kv_bytes_per_token, time_forward, weight_bytes_per_token  # noqa: E402
 from ..engine import SpeculativeEngine  # noqa: E402
 from ..parallel import TensorParallel, check_shardable, init_tensor_parallel, local_device, shard_model  # noqa: E402
+from .gpu import SHAPES, kv_bytes_per_token, weight_bytes_per_token  # noqa: E402
+from .results import write_results  # noqa: E402
+from .timing import forward_seconds, synchronize  # noqa: E402
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, initializer_range=0.2)
@@ -75,6 +77,27 @@ DIST_CASES = [  # drafter, temperature, top_k, top_p, γ
     ("ngram", 0.7, 6, 1.0, 3),
 ]
 ALPHA = 1e-3
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    """What a run does (``flashspec bench tp``'s flags); recorded as the JSON's ``settings``."""
+
+    out: str = "benchmarks/results/tp"  # folder for tp{N}.json (rank 0 writes)
+    compile: bool = True  # torch.compile the decode forwards in the throughput section
+    max_new_tokens: int = 128
+    prompt_tokens: int = 128
+    prompts: int = 2
+    gamma: int = 4
+    samples: int = 20_000  # rows of the distribution test
+    skip_equality: bool = False
+    skip_distribution: bool = False
+    skip_throughput: bool = False
+    smoke: bool = False  # tiny stand-in shapes (runs on CPUs with gloo)
+
+    def __post_init__(self) -> None:
+        if self.samples < 10_000 and not self.smoke:
+            raise ValueError("--samples must be at least 10,000 (the distribution test's design, SPEC.md §6).")
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -121,11 +144,6 @@ def _weights_agree(model) -> bool:
     return _same_everywhere(total)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _free(device: torch.device) -> None:
     """Hand cached GPU memory back after a section's models are gone."""
     if device.type == "cuda":
@@ -167,7 +185,7 @@ def equality_tiny(tp: TensorParallel, device: torch.device) -> dict[str, Any]:
     for name, (config_class, extra) in TINY_CASES.items():
         fields = {**TINY, **extra}
         try:
-            check_shardable(argparse.Namespace(**fields), tp.world_size)
+            check_shardable(SimpleNamespace(**fields), tp.world_size)
         except ValueError as error:
             out[name] = {"skipped": str(error)}
             continue
@@ -251,7 +269,7 @@ def distribution(tp: TensorParallel, device: torch.device, samples: int) -> dict
     """χ² of the sharded engine's samples against the exact law (float32, one batch per case)."""
     fields = {**TINY, "vocab_size": DIST_VOCAB, "max_position_embeddings": 64, "initializer_range": 0.02}
     try:
-        check_shardable(argparse.Namespace(**fields), tp.world_size)
+        check_shardable(SimpleNamespace(**fields), tp.world_size)
     except ValueError as error:
         return {"skipped": str(error), "cases": [], "passed": None}
     whole = _build("LlamaConfig", fields, "cpu", torch.float32, seed=0)
@@ -290,7 +308,7 @@ def _decode(engine: SpeculativeEngine, prompts: list[list[int]], new_tokens: int
     """Each prompt alone (batch 1): tokens/s of the decode steps and of the whole call."""
     decode_rates, total_rates, outputs, accepted, proposed, steps = [], [], [], 0, 0, 0
     for prompt in prompts:
-        _sync(device)
+        synchronize(device)
         out = engine.generate([prompt], max_new_tokens=new_tokens, num_draft_tokens=gamma, eos_token_id=[])
         s = out.stats
         decode_rates.append(s.decode_tokens / s.decode_seconds)
@@ -307,39 +325,41 @@ def _decode(engine: SpeculativeEngine, prompts: list[list[int]], new_tokens: int
     }
 
 
-def throughput(tp: TensorParallel, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+def throughput(tp: TensorParallel, device: torch.device, options: TPOptions) -> dict[str, Any]:
     """Tokens/s at batch 1 of the 8B-shaped target (bfloat16), target-only and speculative."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = _shaped("llama3-8b", device, dtype, seed=0, smoke=args.smoke)
-    drafter = _shaped("llama3-1b", device, dtype, seed=1, smoke=args.smoke)
+    target = _shaped("llama3-8b", device, dtype, seed=0, smoke=options.smoke)
+    drafter = _shaped("llama3-1b", device, dtype, seed=1, smoke=options.smoke)
     result: dict[str, Any] = {
         "target": "llama3-8b", "drafter": "llama3-1b (replicated)", "dtype": str(dtype).replace("torch.", ""),
-        "compile": args.compile, "gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
-        "prompt_tokens": args.prompt_tokens, "prompts": args.prompts,
+        "compile": options.compile, "gamma": options.gamma, "max_new_tokens": options.max_new_tokens,
+        "prompt_tokens": options.prompt_tokens, "prompts": options.prompts,
         "weights_agree": _weights_agree(target) and _weights_agree(drafter),
         "note": "random weights: acceptance is meaningless; forward and step costs are real",
     }
     shard_model(target)
     gen = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
-    prompts = [torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.prompts)]
+    prompts = [torch.randint(0, vocab, (options.prompt_tokens,), generator=gen).tolist()
+               for _ in range(options.prompts)]
     engines = {
-        "target_only": SpeculativeEngine(target, [], device=device, compile=args.compile),
-        "speculative": SpeculativeEngine(target, [drafter], device=device, compile=args.compile),
+        "target_only": SpeculativeEngine(target, [], device=device, compile=options.compile),
+        "speculative": SpeculativeEngine(target, [drafter], device=device, compile=options.compile),
     }
     started = time.perf_counter()
     for engine in engines.values():  # compile and capture outside the timings
-        engine.generate([prompts[0]], max_new_tokens=args.max_new_tokens, num_draft_tokens=args.gamma, eos_token_id=[])
-    _sync(device)
+        engine.generate([prompts[0]], max_new_tokens=options.max_new_tokens, num_draft_tokens=options.gamma,
+                        eos_token_id=[])
+    synchronize(device)
     result["warmup_seconds"] = time.perf_counter() - started
     for name, engine in engines.items():
-        result[name] = _decode(engine, prompts, args.max_new_tokens, args.gamma, device)
+        result[name] = _decode(engine, prompts, options.max_new_tokens, options.gamma, device)
         result[name]["ranks_agree"] = _same_everywhere(result[name]["outputs"])
     result["speedup"] = (result["speculative"]["tokens_per_second_median"]
                          / result["target_only"]["tokens_per_second_median"])
     result["greedy_drift_speculative_vs_target_only"] = _drift(result["speculative"]["outputs"],
                                                                result["target_only"]["outputs"])
-    context = args.prompt_tokens + args.max_new_tokens // 2
+    context = options.prompt_tokens + options.max_new_tokens // 2
     weights = weight_bytes_per_token(target)  # this rank's shard (+ replicated norms)
     kv = kv_bytes_per_token(target, context) / tp.world_size
     result["bytes_per_token_per_gpu"] = {"weights": weights, "kv_at_mean_context": kv}
@@ -350,30 +370,31 @@ def throughput(tp: TensorParallel, device: torch.device, args: argparse.Namespac
         lm = engines["target_only"]._target_lm
         result["copy_bandwidth_bytes_per_second"] = bandwidth
         result["roofline_tokens_per_second"] = bandwidth / (weights + kv)  # collectives not counted
-        result["forward_seconds"] = {"target_1": time_forward(lm, 1, 1, context),
-                                     f"target_{args.gamma + 1}": time_forward(lm, 1, args.gamma + 1, context)}
+        result["forward_seconds"] = {"target_1": forward_seconds(lm, 1, 1, context),
+                                     f"target_{options.gamma + 1}": forward_seconds(lm, 1, options.gamma + 1, context)}
     return result
 
 
 # ---------------------------------------------------------------------------------- the run
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(options: TPOptions) -> dict[str, Any]:
+    """The sections of the module docstring that ``options`` ask for, in this process's rank;
+    rank 0 writes ``OUT/tp{N}.json`` after each section and prints the summary at the end."""
     os.environ.update(MULTICAST_OFF)
     tp = init_tensor_parallel()
     device = local_device()
-    out_dir = Path(args.out)
+    out_dir = Path(options.out)
     results: dict[str, Any] = {
         "world_size": tp.world_size,
         "machine": {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "backend": str(dist.get_backend()), "torch": torch.__version__, "platform": platform.platform(),
                     "created": time.strftime("%Y-%m-%d %H:%M:%S"), "multicast": dict(MULTICAST_OFF)},
-        "settings": {k: v for k, v in vars(args).items() if k != "command"},
+        "settings": asdict(options),
     }
     path = out_dir / f"tp{tp.world_size}.json"
 
     def save() -> None:
         if tp.rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(results, indent=1))
+            write_results(path, results)
 
     def section(name: str, fn: Any) -> None:
         started = time.perf_counter()
@@ -385,13 +406,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if tp.rank == 0:
             print(f"[{tp.world_size} GPU(s)] {name} done in {results[name + '_seconds']:.0f} s", flush=True)
 
-    if tp.world_size > 1 and not args.skip_equality:
+    if tp.world_size > 1 and not options.skip_equality:
         section("equality_tiny", lambda: equality_tiny(tp, device))
-        section("equality_8b_float32", lambda: equality_shaped(tp, device, args.smoke))
-    if tp.world_size > 1 and not args.skip_distribution:
-        section("distribution", lambda: distribution(tp, device, args.samples))
-    if not args.skip_throughput:
-        section("throughput", lambda: throughput(tp, device, args))
+        section("equality_8b_float32", lambda: equality_shaped(tp, device, options.smoke))
+    if tp.world_size > 1 and not options.skip_distribution:
+        section("distribution", lambda: distribution(tp, device, options.samples))
+    if not options.skip_throughput:
+        section("throughput", lambda: throughput(tp, device, options))
         single = out_dir / "tp1.json"
         if tp.world_size > 1 and single.exists():
             one = json.loads(single.read_text()).get("throughput", {})
@@ -473,37 +494,5 @@ def summarize(out_dir: Path) -> str:
     if not runs:
         raise ValueError(f"No tp*.json results in {out_dir}.")
     text = summarize_runs(runs)
-    (out_dir / "tp.md").write_text(text + "\n")
+    write_results(out_dir / "tp.md", markdown=text)
     return text
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m flashspec.bench_tp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/tp", help="folder for tp{N}.json (rank 0 writes)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch.compile the decode forwards in the throughput section (default on)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--samples", type=int, default=20_000, help="rows of the distribution test")
-    p.add_argument("--skip-equality", action="store_true")
-    p.add_argument("--skip-distribution", action="store_true")
-    p.add_argument("--skip-throughput", action="store_true")
-    p.add_argument("--smoke", action="store_true", help="tiny stand-in shapes (runs on CPUs with gloo)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "summarize":
-        print(summarize(Path(argv[1] if len(argv) > 1 else "benchmarks/results/tp")))
-        return
-    args = _parser().parse_args(argv)
-    if args.samples < 10_000 and not args.smoke:
-        raise ValueError("--samples must be at least 10,000 (the distribution test's design, SPEC.md §6).")
-    run(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""``flashspec bench e2e`` (flashspec/bench_e2e.py) end to end on tiny random-weight models and a
+"""``flashspec bench e2e`` (flashspec/bench/e2e.py) end to end on tiny random-weight models and a
 tiny corpus: the JSON schema, greedy outputs identical across every system in float32, the
 markdown and PNGs, the analytic formula, and clear errors for bad options."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashspec.bench import e2e as bench_e2e
-from flashspec.bench.core import DOMAINS, heldout_text
+from flashspec.bench.corpus import DOMAINS, heldout_text
 from flashspec.bench.e2e import Regime, check_options, make_prompts, predicted_speedup
 from flashspec.cli import main
 from tiny_models import CharTokenizer, noisy_copy, tiny_model, write_tiny_corpus
@@ -390,7 +390,7 @@ def test_bandit_warm_up_meets_every_switch_width(models, corpus, monkeypatch):
     prompt = make_prompts({"long": REGIMES["long"]}, 1, tokenizer=CharTokenizer(), corpus=corpus)["long"]["code"]
     bandit.warm(prompt, 12, 0.0, 0)
     assert {(ModelDrafter.SWITCH_WINDOW, 2), (ModelDrafter.SWITCH_WINDOW, 3)} <= seen
-    assert bandit.engine.selector.kind == bench_e2e.BANDIT_SELECTOR  # the bandit again after the warm-up
+    assert bandit.engine.selection.selector.kind == bench_e2e.BANDIT_SELECTOR  # the bandit again after the warm-up
 
 
 def test_scripted_selector_plays_its_script_and_rejects_bad_arms():

@@ -29,7 +29,7 @@ def timer(monkeypatch):
         calls.append((frozenset(maps), width))
         return 1e-3 * (1 + len(maps)) + 1e-5 * width
 
-    monkeypatch.setattr(bench_gpu, "time_forward", fake)
+    monkeypatch.setattr(bench_gpu, "forward_seconds", fake)
     return calls
 
 
@@ -60,7 +60,7 @@ def test_defaults_without_pdl_where_pdl_runs(monkeypatch):
 
     seen, setting = [], pdl.ENABLED
     monkeypatch.setattr(pdl, "enabled", lambda device: True)
-    monkeypatch.setattr(bench_gpu, "time_forward",
+    monkeypatch.setattr(bench_gpu, "forward_seconds",
                         lambda lm, batch, width, context: seen.append((frozenset(lm.decode_maps), pdl.ENABLED)) or 1e-3)
     lm = _lm(torch.bfloat16)
     result = bench_gpu.forward_by_decode_maps(lm, (1,), context=10, rounds=1)
