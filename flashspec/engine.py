@@ -8,8 +8,9 @@ explicit :class:`~flashspec.loop.Plan`, and returned as a :class:`GenerationOutp
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
 import numbers
+import threading
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from .cache import StaticLM, make_lm
 from .drafters import DatastoreDrafter, Drafter, ModelDrafter, NgramDrafter
 from .graphs import Graphs
 from .loop import Plan, Workspace, commit_step, decode, workspace_shape
-from .models import load_model, load_tokenizer
+from .request import MAX_DRAFT_TOKENS
+from .models import check_causal_lm, load_model, load_tokenizer
 from .parallel import tensor_parallel_of
 from .request import Request, parse_request
 from .select import Selection, Selector
@@ -69,17 +71,26 @@ class SpeculativeEngine:
         dtype: torch.dtype | None = None,
         compile: bool = False,
     ) -> None:
+        for name, value in (("share_selector", share_selector), ("compile", compile)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False; got {value!r}.")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self._no_tokenizer = "pass tokenizer= to SpeculativeEngine"  # why string prompts cannot work
         if isinstance(target, (str, bytes)) or hasattr(target, "__fspath__"):
-            if tokenizer is None:
-                tokenizer = load_tokenizer(str(target))
-            target = load_model(str(target), self.device, dtype)
+            spec = str(target)
+            target = load_model(spec, self.device, dtype)
+            if tokenizer is None:  # token-id prompts need none: a folder without one is still a target
+                try:
+                    tokenizer = load_tokenizer(spec)
+                except ValueError as error:
+                    self._no_tokenizer = f"none could be loaded from {spec!r} ({error}); pass tokenizer=... to SpeculativeEngine"
         if not isinstance(target, PreTrainedModel):
             raise ValueError("target must be a transformers causal LM or a path / hub id / .gguf file.")
+        check_causal_lm(target, "target")
         self.target = target.eval()
         # Tensor parallelism (flashspec.parallel, SPEC.md §9): every rank runs this same loop;
         # the few places that must agree across ranks check self._tp.
@@ -97,8 +108,10 @@ class SpeculativeEngine:
             names.add(d.name)
         if gammas is not None:
             gammas = list(gammas)
-            if not gammas or any(isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1 for g in gammas):
-                raise ValueError(f"gammas must be a non-empty list of integers >= 1; got {gammas!r}.")
+            if not gammas or any(isinstance(g, bool) or not isinstance(g, numbers.Integral)
+                                 or not 1 <= g <= MAX_DRAFT_TOKENS for g in gammas):
+                raise ValueError(f"gammas must be a non-empty list of integers from 1 to {MAX_DRAFT_TOKENS}; "
+                                 f"got {gammas!r}.")
             gammas = [int(g) for g in gammas]
         # Arms: (drafter index, γ or None for generate's num_draft_tokens).
         self.arms: list[tuple[int, int | None]] = [
@@ -120,6 +133,8 @@ class SpeculativeEngine:
         # idle while the host reads the log and launches the next graphs (SPEC.md §7). On a CPU
         # nothing runs ahead, and a step queued after the last row finished would be wasted work.
         self.queue_ahead = self.device.type == "cuda"
+        # One generate at a time: calls share the workspace, caches and graphs (SPEC.md §5).
+        self._generating = threading.Lock()
 
     # ------------------------------------------------------------------ learning state
     def arm_label(self, arm: int, num_draft_tokens: int | None = None) -> str:
@@ -155,11 +170,14 @@ class SpeculativeEngine:
     def _as_drafter(self, spec: Any, dtype: torch.dtype) -> Drafter:
         if isinstance(spec, str) and spec == "ngram":
             return NgramDrafter()
+        if isinstance(spec, str) and spec.strip().lower() == "ngram":
+            raise ValueError(f"Unknown drafter {spec!r}: did you mean 'ngram'? (Drafter names are lower case.)")
         name = None
         if isinstance(spec, str):
             name = Path(spec).stem if spec.endswith(".gguf") else spec.rstrip("/").split("/")[-1]
             spec = load_model(spec, self.device, dtype)
         if isinstance(spec, PreTrainedModel):
+            check_causal_lm(spec, "drafter")
             return ModelDrafter(spec, self.vocab_size, name=name, compile=self.compile)
         if isinstance(spec, DatastoreDrafter) and spec.max_token >= self.vocab_size:
             raise ValueError(f"Drafter {spec.name!r} stores token id {spec.max_token}, but the target's vocabulary "
@@ -193,12 +211,24 @@ class SpeculativeEngine:
         default 1 on the CPU, 8 on CUDA. Steps after every row finished do no harm but cost time.
         ``context``: a hashable label of the request (a domain, a route); with a learning
         selector, each label gets its own selector state.
+
+        Calls from several threads are serialised: each waits for the one before to finish.
         """
+        with self._generating:  # concurrent calls wait for one another
+            return self._generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                  do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  num_draft_tokens=num_draft_tokens, eos_token_id=eos_token_id, seed=seed,
+                                  progress=progress, sync_every=sync_every, context=context)
+
+    def _generate(self, input_ids: Any, *, progress: Any, **arguments: Any) -> GenerationOutput:
+        if not isinstance(progress, bool):
+            raise ValueError(f"progress must be True or False; got {progress!r}.")
+        if self.tokenizer is None and (isinstance(input_ids, str) or (
+                isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], str))):
+            raise ValueError(f"String prompts need a tokenizer: {self._no_tokenizer}.")
         request = parse_request(
-            input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
-            temperature=temperature, top_k=top_k, top_p=top_p, num_draft_tokens=num_draft_tokens,
-            eos_token_id=eos_token_id, seed=seed, sync_every=sync_every, context=context, target=self.target,
-            tokenizer=self.tokenizer, drafter_models=[d.model for d in self.drafters if isinstance(d, ModelDrafter)],
+            input_ids, **arguments, target=self.target, tokenizer=self.tokenizer,
+            drafter_models=[d.model for d in self.drafters if isinstance(d, ModelDrafter)],
             gammas=[g for _, g in self.arms], device=self.device,
         )
         stats = GenerationStats(

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "load_model", "load_tokenizer", "context_window", "check_no_sliding_window"]
+__all__ = ["DTYPES", "load_model", "load_tokenizer", "context_window", "check_no_sliding_window", "check_causal_lm"]
 
 # The precisions a command line may name.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,3 +86,19 @@ def check_no_sliding_window(config: Any, physical_length: int) -> None:
             f"request may need ({physical_length} cache positions); FlashSpec does not support "
             "sliding-window attention yet. Shorten the prompt or max_new_tokens."
         )
+
+
+def check_causal_lm(model: Any, role: str) -> None:
+    """Refuse models that cannot continue a prompt token by token (encoders such as BERT,
+    encoder-decoders such as T5): FlashSpec needs a decoder-only causal LM."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"The {role} ({type(model).__name__}) is an encoder-decoder model; FlashSpec needs a "
+                         "decoder-only causal language model (a *ForCausalLM class).")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = type(model).__name__
+    known = name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() or name.endswith(("ForCausalLM", "LMHeadModel"))
+    if not known and not getattr(config, "is_decoder", False):
+        raise ValueError(f"The {role} is a {type(model).__name__}, not a causal language model; load it with "
+                         "AutoModelForCausalLM (FlashSpec needs a decoder-only causal LM).")

@@ -11,9 +11,14 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["SamplingParams", "process_logits", "probabilities", "sample"]
+__all__ = ["MIN_TEMPERATURE", "SamplingParams", "process_logits", "probabilities", "sample"]
+
+# Below this, logits / temperature overflow float32 for ordinary logit ranges and the law has no
+# finite mass left to draw from (SPEC.md §1); greedy decoding is what such a temperature means.
+MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -26,15 +31,18 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, (bool, np.bool_)):
+            raise ValueError(f"do_sample must be True or False; got {self.do_sample!r}.")
+        object.__setattr__(self, "do_sample", bool(self.do_sample))
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 turns it off); got {self.top_k!r}.")
         if not _is_real(self.top_p) or not (0.0 < float(self.top_p) <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (1.0 turns it off); got {self.top_p!r}.")
         if self.do_sample:
             t = self.temperature
-            if not _is_real(t) or not math.isfinite(t) or t <= 0:
+            if not _is_real(t) or not math.isfinite(t) or t < MIN_TEMPERATURE:
                 raise ValueError(
-                    f"temperature must be a finite number > 0 when sampling; got {t!r}. "
+                    f"temperature must be a finite number >= {MIN_TEMPERATURE:g} when sampling; got {t!r}. "
                     "Use do_sample=False for greedy decoding."
                 )
 

@@ -12,13 +12,18 @@ switching learned state all go through it:
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
 from .base import Selector
 from .registry import make_selector, selector_from_state_dict
 
-__all__ = ["Selection"]
+__all__ = ["MAX_CONTEXTS", "Selection"]
+
+# Per-context selectors kept at most; the least recently used label is forgotten beyond that, so a
+# long-running process that labels requests by user or route does not grow without bound.
+MAX_CONTEXTS = 1024
 
 
 class Selection:
@@ -32,11 +37,17 @@ class Selection:
         share: ``True`` — requests share what is learned (one selector per ``context``
             label; ``None`` is the default label); ``False`` — each request starts afresh from
             the initial state.
+        max_contexts: how many ``context`` labels keep a selector of their own (least recently
+            used forgotten first; a forgotten label starts again from the initial state).
         options: the named selector's options (``seed``, ``reward``, ...).
     """
 
-    def __init__(self, selector: str | Selector, num_arms: int, *, share: bool = True, **options: Any) -> None:
+    def __init__(self, selector: str | Selector, num_arms: int, *, share: bool = True,
+                 max_contexts: int = MAX_CONTEXTS, **options: Any) -> None:
+        if isinstance(max_contexts, bool) or not isinstance(max_contexts, int) or max_contexts < 1:
+            raise ValueError(f"max_contexts must be an integer >= 1; got {max_contexts!r}.")
         self.num_arms = num_arms
+        self.max_contexts = max_contexts
         self.share = bool(share)
         if num_arms:
             self.selector: Selector | None = make_selector(selector, num_arms, **options)
@@ -44,7 +55,7 @@ class Selection:
             make_selector(selector, 1, **options)
             self.selector = None
         self.initial_state = _state_of(self.selector)  # what a new context (or request) starts from
-        self.contexts: dict[Hashable, Selector] = {}
+        self.contexts: OrderedDict[Hashable, Selector] = OrderedDict()  # least recently used first
 
     def for_request(self, context: Hashable = None) -> Selector | None:
         """The selector a request labelled ``context`` uses (None: target-only)."""
@@ -60,6 +71,9 @@ class Selection:
             if self.initial_state is None:
                 raise ValueError("A context needs a selector with state_dict() to copy from.")
             self.contexts[context] = selector_from_state_dict(self.initial_state)
+            while len(self.contexts) > self.max_contexts:
+                self.contexts.popitem(last=False)
+        self.contexts.move_to_end(context)
         return self.contexts[context]
 
     def state_dict(self) -> dict[str, Any]:
@@ -73,9 +87,9 @@ class Selection:
             raise ValueError("Not a selector state: expected the dict that state_dict() returns.")
         if self.selector is not None and state["default"] is not None:
             self.selector.load_state_dict(state["default"])
-        self.contexts = {
-            _hashable(json.loads(k)): selector_from_state_dict(v) for k, v in state.get("contexts", {}).items()
-        }
+        self.contexts = OrderedDict(
+            (_hashable(json.loads(k)), selector_from_state_dict(v)) for k, v in state.get("contexts", {}).items()
+        )
 
     def save(self, path: str) -> None:
         """Write :meth:`state_dict` as JSON."""

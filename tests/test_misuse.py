@@ -1,0 +1,207 @@
+"""Careless and hostile use (SPEC.md §5): each case used to give a silent wrong result, an ignored
+argument or a raw exception from deep inside; now it is the right result or a ValueError with a
+sentence that names the argument."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
+
+from flashspec import SpeculativeEngine
+from flashspec.request import MAX_DRAFT_TOKENS, MAX_TOKENS_WITHOUT_WINDOW
+from flashspec.select import Selection
+
+
+def llama(vocab: int = 32, context: int | None = 64, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context or 64,
+                         initializer_range=0.2)
+    return LlamaForCausalLM(config).eval()
+
+
+TARGET = llama()
+DRAFT = llama(seed=1)
+PROMPT = [1, 2, 3, 4]
+
+
+def greedy(engine: SpeculativeEngine, prompts, **kwargs) -> list[list[int]]:
+    return engine.generate(prompts, max_new_tokens=6, eos_token_id=[], **kwargs).sequences
+
+
+# ------------------------------------------------------------------ 1. threads
+def test_concurrent_generate_calls_are_serialised_and_each_gets_its_own_answer():
+    engine = SpeculativeEngine(TARGET, [DRAFT, "ngram"], gammas=[2, 3], selector="ucb1", selector_options={"seed": 0})
+    prompts = [[[1, 2, 3]], [[4, 5, 6, 7], [8, 9]], [[10, 11]], [[3, 1, 4, 1, 5, 9]]]
+    expected = [SpeculativeEngine(TARGET, []).generate(p, max_new_tokens=12, eos_token_id=[]).sequences for p in prompts]
+    results: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(2):
+                results[i] = engine.generate(prompts[i % 4], max_new_tokens=12, eos_token_id=[]).sequences
+                assert results[i] == expected[i % 4]
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert all(results[i] == expected[i % 4] for i in range(8))
+
+
+# ------------------------------------------------------------------ 2. temperatures with no mass
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 5e-5])
+def test_a_temperature_too_small_for_any_mass_is_refused(temperature):
+    engine = SpeculativeEngine(TARGET, [])
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate([PROMPT], max_new_tokens=2, do_sample=True, temperature=temperature)
+
+
+# ------------------------------------------------------------------ 3. attention_mask
+def test_attention_mask_applies_to_list_prompts():
+    engine = SpeculativeEngine(TARGET, ["ngram"])
+    padded = greedy(engine, [[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]], attention_mask=[[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert padded == [greedy(engine, [[5, 6, 7]])[0], greedy(engine, [[1, 2, 3, 4, 5]])[0]]
+    assert greedy(engine, [0, 5, 6, 7], attention_mask=[0, 1, 1, 1]) == greedy(engine, [[5, 6, 7]])
+
+
+@pytest.mark.parametrize("prompts, mask, message", [
+    ([[1, 2, 3]], [[1, 1]], "shape"),
+    ([[1, 2, 3]], "1,1,1", "attention_mask"),
+    ([[1, 2, 3]], [[1, 2, 1]], "only 0"),
+    (torch.tensor([[1, 2, 3]]), torch.ones(1, 2), "shape"),
+])
+def test_bad_attention_masks_are_refused(prompts, mask, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeEngine(TARGET, []).generate(prompts, attention_mask=mask, max_new_tokens=2)
+
+
+def test_attention_mask_with_string_prompts_is_refused():
+    class Chars:
+        def __call__(self, text):
+            return {"input_ids": [ord(c) % 32 for c in text]}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(65 + i) for i in ids)
+
+    engine = SpeculativeEngine(TARGET, [], tokenizer=Chars())
+    with pytest.raises(ValueError, match="attention_mask"):
+        engine.generate("abc", attention_mask=[[1, 1, 1]], max_new_tokens=2)
+
+
+# ------------------------------------------------------------------ 5. bounds
+@pytest.mark.parametrize("gamma", [MAX_DRAFT_TOKENS + 1, 10**6])
+def test_draft_lengths_are_bounded(gamma):
+    engine = SpeculativeEngine(TARGET, ["ngram"])
+    with pytest.raises(ValueError, match="num_draft_tokens must be at most"):
+        engine.generate([PROMPT], max_new_tokens=2, num_draft_tokens=gamma)
+    with pytest.raises(ValueError, match="gammas"):
+        SpeculativeEngine(TARGET, ["ngram"], gammas=[2, gamma])
+
+
+def test_a_model_without_a_context_window_is_bounded(monkeypatch):
+    import flashspec.request
+
+    monkeypatch.setattr(flashspec.request, "context_window", lambda config: None)  # a config naming none
+    engine = SpeculativeEngine(TARGET, [])
+    with pytest.raises(ValueError, match="names no context window"):
+        engine.generate([PROMPT], max_new_tokens=MAX_TOKENS_WITHOUT_WINDOW)
+
+
+# ------------------------------------------------------------------ 6. a folder without tokenizer files
+def test_a_saved_model_without_tokenizer_files_is_a_target_for_token_ids(tmp_path):
+    TARGET.save_pretrained(tmp_path / "target")
+    engine = SpeculativeEngine(str(tmp_path / "target"), [], device="cpu")
+    assert greedy(engine, [PROMPT]) == greedy(SpeculativeEngine(TARGET, []), [PROMPT])
+    with pytest.raises(ValueError, match="String prompts need a tokenizer: none could be loaded"):
+        engine.generate("hello", max_new_tokens=2)
+
+
+# ------------------------------------------------------------------ 7. booleans
+@pytest.mark.parametrize("kwargs", [dict(do_sample="False"), dict(do_sample=1), dict(progress="no")])
+def test_booleans_are_type_checked_in_generate(kwargs):
+    with pytest.raises(ValueError, match="True or False"):
+        SpeculativeEngine(TARGET, []).generate([PROMPT], max_new_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(share_selector="no"), dict(compile="yes")])
+def test_booleans_are_type_checked_in_the_constructor(kwargs):
+    with pytest.raises(ValueError, match="True or False"):
+        SpeculativeEngine(TARGET, [], **kwargs)
+
+
+def test_numpy_booleans_are_booleans():
+    engine = SpeculativeEngine(TARGET, [])
+    assert greedy(engine, [PROMPT], do_sample=np.bool_(False)) == greedy(engine, [PROMPT])
+
+
+# ------------------------------------------------------------------ 10. models that are not causal LMs
+BERT = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+
+
+@pytest.mark.parametrize("model, message", [
+    (BertForMaskedLM(BERT), "not a causal language model"),
+    (T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)),
+     "encoder-decoder"),
+])
+def test_non_causal_models_are_refused(model, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeEngine(model, [])
+    with pytest.raises(ValueError, match=message):
+        SpeculativeEngine(TARGET, [model])
+
+
+# ------------------------------------------------------------------ 12. input-type paper cuts
+def test_a_flat_list_is_one_prompt():
+    engine = SpeculativeEngine(TARGET, ["ngram"])
+    assert greedy(engine, PROMPT) == greedy(engine, [PROMPT])
+
+
+def test_numpy_integers_are_token_ids():
+    engine = SpeculativeEngine(TARGET, ["ngram"])
+    ids = [np.int64(t) for t in PROMPT]
+    assert greedy(engine, [ids]) == greedy(engine, [PROMPT])
+    assert greedy(engine, np.array(PROMPT).tolist()) == greedy(engine, [PROMPT])
+    assert engine.generate([PROMPT], max_new_tokens=3, eos_token_id=np.int32(5)).sequences
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([[1, 2], 3], "list of token-id lists"),
+    ([1.0, 2.0], "outside the vocabulary|token-id lists"),
+    (torch.tensor([[1.0, 2.0]]), "integer token ids"),
+    ({"input_ids": [1, 2]}, "input_ids must be"),
+])
+def test_malformed_prompts_are_refused(prompt, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeEngine(TARGET, []).generate(prompt, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", ["NGRAM", "Ngram", " ngram"])
+def test_a_misspelt_drafter_keyword_says_so_at_once(name):
+    with pytest.raises(ValueError, match="did you mean 'ngram'"):
+        SpeculativeEngine(TARGET, [name])
+
+
+def test_context_labels_are_evicted_least_recently_used_first():
+    selection = Selection("ucb1", 2, max_contexts=3, seed=0)
+    for label in range(5):
+        selection.for_request(label)
+    assert list(selection.contexts) == [2, 3, 4]
+    selection.for_request(2)  # used again: now the most recent
+    selection.for_request(5)
+    assert list(selection.contexts) == [4, 2, 5]
+    engine = SpeculativeEngine(TARGET, [DRAFT, "ngram"], selector="ucb1", selector_options={"seed": 0})
+    for label in range(1030):
+        engine.selection.for_request(label)
+    assert len(engine.selection.contexts) == engine.selection.max_contexts
+    with pytest.raises(ValueError, match="max_contexts"):
+        Selection("ucb1", 2, max_contexts=0)
