@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
+from .kernels import attention
 from .kernels.decode_linear import MAX_ROWS as _LINEAR_ROWS
 from .kernels.decode_linear import decode_linear
-from .models import context_window
 from .kernels.rope_kv import rope_write_kv
+from .models import context_window
 
 __all__ = ["CachedLM", "StaticLM", "make_lm"]
 
@@ -56,7 +57,7 @@ class StaticLM:
     ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
     COMPILED_WIDTHS = 16  # forwards over more tokens (prefills) run eagerly
 
-    def __init__(self, model: PreTrainedModel, compile: bool = False, fast_attention: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, compile: bool = False) -> None:
         if not self.supports(model):
             raise ValueError(f"StaticLM does not support model type {model.config.model_type!r}.")
         self.model = model
@@ -74,17 +75,16 @@ class StaticLM:
         self.values: list[torch.Tensor] = []
         self.qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.base.layers]
         self.gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.base.layers]
-        # Decode forwards on CUDA use the flash-decoding Triton kernel (flashspec.attention);
-        # prefills, CPUs and machines without Triton use PyTorch's SDPA.
-        self.fast_attention = bool(fast_attention)
-        # With it, decode forwards also rotate queries and keys and write the cache in one kernel
-        # (flashspec.rope_kv) instead of three; False keeps the model's own rotation (probes).
-        self.fuse_rope = True
-        # And which linear maps of a decode forward run through flashspec.decode_linear, each
+        # Decode forwards on CUDA (SPEC.md §3) use the flash-decoding Triton kernel
+        # (flashspec.kernels.attention) and rotate queries and keys and write the cache in one
+        # kernel (flashspec.kernels.rope_kv) instead of three; prefills, CPUs and machines without
+        # Triton use the model's rotation and PyTorch's SDPA.
+        # Which linear maps of a decode forward run through flashspec.kernels.decode_linear, each
         # with the element-wise work around it folded in (16-bit models; decode_maps for one
-        # token row, decode_maps_wide for 2 to 16). Defaults: the maps that beat cuBLAS on both
-        # an H200's Qwen2.5-1.5B and Llama-3-8B shapes (probes 12 and 16); q/k/v with its norm
-        # folded in only where the model's norm is the one decode_linear computes.
+        # token row, decode_maps_wide for 2 to 16). Defaults (SPEC.md §3): the maps that beat
+        # cuBLAS on both an H200's Qwen2.5-1.5B and Llama-3-8B shapes (docs/lab/NOTES.md, probes
+        # 12 and 16; BENCHMARKS.md); q/k/v with its norm folded in only where the model's norm is
+        # the one decode_linear computes.
         self._norms_fusable = _norms_fusable(model)
         sixteen = _sixteen_bit(model)
         one_row = {"qkv", "o", "down"} if self._norms_fusable else {"o", "down"}
@@ -106,8 +106,8 @@ class StaticLM:
     @property
     def decode_maps(self) -> frozenset[str]:
         """The linear maps that forwards of one token row (batch 1, one token: target-only
-        decoding, drafting) run through :func:`flashspec.decode_linear.decode_linear`: ``"qkv"``
-        (with the input RMSNorm), ``"o"`` (with the residual add), ``"gate_up"`` (with the
+        decoding, drafting) run through :func:`flashspec.kernels.decode_linear.decode_linear`:
+        ``"qkv"`` (with the input RMSNorm), ``"o"`` (with the residual add), ``"gate_up"`` (with the
         RMSNorm and SiLU·up), ``"down"`` (with the residual add). The rest use cuBLAS and the
         model's modules. Default ``{"qkv", "o", "down"}`` for 16-bit models (``{"o", "down"}`` where
         the model's norm is not the one decode_linear folds in), nothing for float32 ones.
@@ -188,8 +188,8 @@ class StaticLM:
             logits = self._compiled(*inputs, logits_at)
         elif tokens.is_cuda:
             # Prefills (and uncompiled decodes) on CUDA: SDPA without the cuDNN backend, which
-            # plans each new query length afresh (≈ 50 ms per new prompt length on an H200,
-            # probe 9): every request's prompt length is usually new.
+            # plans each new query length afresh (SPEC.md §3; ≈ 50 ms per new prompt length on an
+            # H200, docs/lab/NOTES.md, probe 9): every request's prompt length is usually new.
             with sdpa_kernel(_SDPA_BACKENDS):
                 logits = self._forward(*inputs, logits_at)
         else:
@@ -201,7 +201,7 @@ class StaticLM:
         """Embeddings, positions ``[B, q]`` and rotary tables ``cos, sin [B, q, D]`` of a forward.
         Compiled as a graph of its own, so its outputs are buffers every layer reads; inside the
         layers' graph inductor recomputes such cheap values for each opaque op that reads them
-        (two small kernels per layer, probe 9)."""
+        (two small kernels per layer; SPEC.md §3)."""
         width = tokens.shape[1]
         positions = (start[:, None] + torch.arange(width, device=tokens.device)).clamp(max=self.capacity - 1)
         x = self.base.embed_tokens(tokens)
@@ -211,7 +211,7 @@ class StaticLM:
     def _decode_kernels(self, x: torch.Tensor) -> bool:
         """Whether this forward of ``x [B, q, hidden]`` runs on the Triton decode kernels
         (attention, rotary + cache write, linear maps): CUDA with Triton, ``q ≤ 16``."""
-        return bool(self.fast_attention and x.is_cuda and x.shape[1] <= self.COMPILED_WIDTHS and _fast_attention())
+        return bool(x.is_cuda and x.shape[1] <= self.COMPILED_WIDTHS and attention.available(x))
 
     def _forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -247,13 +247,13 @@ class StaticLM:
             if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
                 q, k = attn.q_norm(q), attn.k_norm(k)
             v = v.view(batch, width, kv_heads, dim)
-            if use_kernel and self.fuse_rope:  # rotation and cache write in one launch
+            if use_kernel:  # rotation and cache write in one launch
                 q = rope_write_kv(q, k, v, cos, sin, positions, self.keys[i], self.values[i]).transpose(1, 2)
             else:
                 q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
                 write_kv(self.keys[i], self.values[i], k, v.transpose(1, 2), slots)
             if use_kernel:
-                out = _fast_attention().decode_attention_heads(q, self.keys[i], self.values[i], positions, attn.scaling)
+                out = attention.decode_attention_heads(q, self.keys[i], self.values[i], positions, attn.scaling)
                 out = out.view(batch, width, heads * dim)
             else:
                 q = q.reshape(batch, kv_heads, groups * width, dim)
@@ -287,8 +287,8 @@ def _sixteen_bit(model: PreTrainedModel) -> bool:
 
 def _norms_fusable(model: PreTrainedModel) -> bool:
     """Whether ``model``'s layers use a SiLU-gated MLP and RMSNorms that compute exactly the
-    formula :func:`flashspec.decode_linear.decode_linear` folds in (checked by running one on a
-    random input, not by trusting the class name)."""
+    formula :func:`flashspec.kernels.decode_linear.decode_linear` folds in (checked by running one
+    on a random input, not by trusting the class name)."""
     if getattr(model.config, "hidden_act", None) not in ("silu", "swish") or not _sixteen_bit(model):
         return False
     layer = model.model.layers[0]
@@ -328,25 +328,9 @@ def _register_write_kv():
 # cache, in place, at ``slots [B, H_kv, q, D]`` (positions along axis 2). An opaque op that
 # declares what it mutates: written as a plain ``scatter_`` inside a compiled forward, the cache
 # (a graph input) is functionalised into a fresh copy of the whole cache per layer, scattered and
-# copied back — work that grows with the cache's capacity, not with the context (probe 8).
-# Declared this way, the compiled graph writes in place.
+# copied back — work that grows with the cache's capacity, not with the context (SPEC.md §3;
+# measured in docs/lab/NOTES.md, probe 8). Declared this way, the compiled graph writes in place.
 write_kv = _register_write_kv()
-
-
-def _fast_attention():
-    """The flash-decoding module when Triton is importable, else None (imported once)."""
-    global _ATTENTION
-    if _ATTENTION is None:
-        try:
-            from .kernels import attention
-
-            _ATTENTION = attention if attention.triton is not None else False
-        except ImportError:
-            _ATTENTION = False
-    return _ATTENTION or None
-
-
-_ATTENTION = None
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

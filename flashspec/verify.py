@@ -4,7 +4,7 @@ One public function, :func:`verify`, with two backends behind the same signature
 
 * ``"reference"`` (below): pure PyTorch, batched over rows with tensor operations only (no
   Python loop over rows, no device-to-host synchronisation), so it runs on every device;
-* ``"triton"`` (:mod:`flashspec.verify_triton`): fused Triton kernels that read the logits once.
+* ``"triton"`` (:mod:`flashspec.kernels.verify`): fused Triton kernels that read the logits once.
 
 SPEC.md §2 step 4 is the contract both follow. ``backend="auto"`` picks Triton for CUDA logits
 when Triton imports, else the reference; the environment variable ``FLASHSPEC_VERIFY_BACKEND``
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import shim
 from .sampling import SamplingParams, probabilities, sample
 
 __all__ = ["BACKENDS", "VerifyResult", "verify"]
@@ -88,15 +89,6 @@ def verify(
     return _verify_reference(target_logits, draft_tokens, draft_probs, params, uniforms)
 
 
-def _triton_importable() -> bool:
-    """Whether ``import triton`` works here (not cached, so tests can hide it)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _choose_backend(backend: str, target_logits: torch.Tensor) -> str:
     """Resolve ``backend`` (and ``$FLASHSPEC_VERIFY_BACKEND`` for "auto") to a concrete one."""
     if backend not in BACKENDS:
@@ -109,12 +101,12 @@ def _choose_backend(backend: str, target_logits: torch.Tensor) -> str:
                     f"Unknown verify backend {forced!r} in ${BACKEND_ENV}; available: reference, triton."
                 )
             backend = forced
-        elif target_logits.is_cuda and _triton_importable():
+        elif target_logits.is_cuda and shim.importable():
             return "triton"
         else:
             return "reference"
     if backend == "triton":
-        if not _triton_importable():
+        if not shim.importable():
             raise ValueError(_NO_TRITON)
         if not target_logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(

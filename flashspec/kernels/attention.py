@@ -83,12 +83,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
-from flashspec.kernels import pdl  # (absolute: tests load this file on its own as well)
+# (absolute imports: tests load this file on its own as well)
+from flashspec.kernels import pdl, shim
+from flashspec.kernels.shim import device_fn, next_pow2, tl, triton
 
 __all__ = [
     "available",
@@ -110,35 +111,11 @@ COMBINE_ROWS: int | None = None  # query rows per program of kernel 2 (None: 1 o
 PROGRAMS_PER_SM = 2  # target of kernel 1's grid size
 NUM_STAGES = 2  # software pipelining of the compiled key loop
 
-try:  # the module imports without triton; the kernels need it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-
-
-def _triton_importable() -> bool:
-    return triton is not None
-
-
-def _interpreted() -> bool:
-    if triton is None:
-        return False
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # pragma: no cover - older triton
-
 
 def available(query: torch.Tensor) -> bool:
     """Whether :func:`decode_attention` can run on ``query``: Triton importable and ``query`` on a
     CUDA device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tests)."""
-    if triton is None:
-        return False
-    if query.is_cuda:
-        return True
-    return query.device.type == "cpu" and _interpreted()
+    return shim.available(query)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,10 +142,6 @@ def decode_attention_reference(
 # ----------------------------------------------------------------------------------------------
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -185,7 +158,7 @@ def _tiles(rows: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps)`` of kernel 1 for ``rows = M`` query rows."""
     if dtype == torch.float32:
         return MAX_BLOCK_M_FP32, BLOCK_N_FP32, 8
-    block_m = max(16, min(MAX_BLOCK_M, _next_pow2(rows)))
+    block_m = max(16, min(MAX_BLOCK_M, next_pow2(rows)))
     return block_m, BLOCK_N, 8 if block_m >= 64 else 4
 
 
@@ -209,7 +182,7 @@ def _block_s(capacity: int, device: torch.device, block_n: int) -> int:
     """Kernel 2's splits per step: from the largest split count this capacity can get (never
     from the batch, so the batch size does not recompile it)."""
     tiles = -(-capacity // block_n)
-    return max(2, min(MAX_BLOCK_S, _next_pow2(min(tiles, _target_programs(device)))))
+    return max(2, min(MAX_BLOCK_S, next_pow2(min(tiles, _target_programs(device)))))
 
 
 def _check(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -249,7 +222,7 @@ def _launch(
         positions = positions.to(torch.int64)
     block_m, block_n, warps = _tiles(rows, query.dtype)
     m_blocks = -(-rows // block_m)
-    block_d = max(16, _next_pow2(dim))
+    block_d = max(16, next_pow2(dim))
     splits, split_keys = plan_splits(batch * kv_heads * m_blocks, capacity, keys.device, num_splits, block_n)
     split = splits > 1
     interpreted = not query.is_cuda
@@ -426,12 +399,7 @@ if triton is not None:
                       "p_sb", "p_st", "o_sb", "o_sh", "o_st"]
     _COMBINE_RUNTIME = ["M", "W", "G", "num_splits", "split_keys", "p_sb", "p_st", "o_sb", "o_sh", "o_st"]
 
-    def _device_fn(fn):
-        """``@triton.jit`` for a helper, except under the interpreter, where a plain function
-        runs the same code without the interpreter's cost per nested jit call."""
-        return fn if _interpreted() else triton.jit(fn)
-
-    @_device_fn
+    @device_fn
     def _attend_tile(q, k_row, v_row, k_sn, v_sn, n0, end, pos, d, d_live, m_i, l_i, acc, qk_scale,
                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         """One tile of keys ``n0 .. n0 + BLOCK_N`` (those ``< end`` loaded) folded into the
@@ -469,7 +437,7 @@ if triton is not None:
         PDL: tl.constexpr,
     ):
         """Kernel 1: one split of the key axis for one block of query rows of one (b, kv)."""
-        if PDL:  # flashspec.pdl: queries, cache and positions come from earlier kernels
+        if PDL:  # flashspec.kernels.pdl: queries, cache and positions come from earlier kernels
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -537,7 +505,7 @@ if triton is not None:
         ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
         """Kernel 2: ``ROWS`` query rows' split partials → their output rows."""
-        if PDL:  # flashspec.pdl
+        if PDL:  # flashspec.kernels.pdl
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)

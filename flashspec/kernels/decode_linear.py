@@ -20,19 +20,20 @@ Two inner products; on CUDA the autotuner picks a tile of one per matrix and row
 
 * **CUDA cores** (one token row) — float32 products of ``BLOCK_N × BLOCK_K`` blocks summed
   element-wise over ``K`` and reduced once; 1 to 8 weight rows per program, so even a 1,536-row
-  matrix spreads over hundreds of programs. With the weights cold in L2 (probe 12, an H200) it
-  beats cuBLAS's ``F.linear`` on the output projection (Qwen2.5-1.5B shape 3.7 against 6.6 µs,
-  Llama-3-8B shape 10.7 against 12.8), the down projection (9.5 against 11.2; 31.1 against 32.6)
-  and the 1.5B's q/k/v (4.8 against 5.3), norm, SiLU·up and residual add included; it loses on
-  the 8B's gate/up (68.7 against 58.8 µs) and q/k/v (19.1 against 16.8).
+  matrix spreads over hundreds of programs. With the weights cold in L2 (an H200:
+  docs/lab/NOTES.md, probe 12) it beats cuBLAS's ``F.linear`` on the output projection
+  (Qwen2.5-1.5B shape 3.7 against 6.6 µs, Llama-3-8B shape 10.7 against 12.8), the down
+  projection (9.5 against 11.2; 31.1 against 32.6) and the 1.5B's q/k/v (4.8 against 5.3),
+  norm, SiLU·up and residual add included; it loses on the 8B's gate/up (68.7 against 58.8 µs)
+  and q/k/v (19.1 against 16.8).
 * **tensor cores** (2 to 16 rows) — the rows as one 16-row tile (padded), ``tl.dot`` per block of
   ``K``; 16 to 64 weight rows per program. At 5 rows it beats cuBLAS on the output projection
   (1.5B 5.0 against 6.0 µs; 8B 11.8 against 12.8) and loses elsewhere (1.5B down 15.4 against
   11.3 µs): too few bytes in flight. The CUDA-core loop run row after row re-reads the weights
   per row and is 1.3-3.5× slower than cuBLAS at 5 rows, so it is not offered for several rows.
 
-Arithmetic (SPEC §3)
---------------------
+Arithmetic (SPEC.md §3)
+-----------------------
 * RMSNorm exactly as transformers' Llama/Qwen/Mistral norms: ``r = rsqrt(mean(x²) + eps)`` in
   float32, ``n = round(x·r)``, ``h = round(w·n)`` (``round`` = to the input's 16-bit dtype).
 * The product accumulates in float32 (tensor cores), bias added in float32, rounded once: what
@@ -46,7 +47,7 @@ padded, and its configuration is chosen per ``(N, K)`` and row class, never per 
 token's outputs are bit-identical whether it is verified with 1 or 15 others. A 1-row call runs
 another inner product (the CUDA cores: faster there) and may round differently from the same row
 in a wider call, as cuBLAS's kernels for different ``M`` do: 1-token and ``γ+1``-token forwards
-can differ in the last bit (SPEC §3 says what "exact" means in bf16). Without autotuning (small
+can differ in the last bit (SPEC.md §7 says what "exact" means in bf16). Without autotuning (small
 matrices, the interpreter) one fixed configuration serves every ``M``, and every row count agrees.
 
 Grid and traffic: ``ceil(N / BLOCK_N)`` programs; each reads its ``BLOCK_N`` weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows from L2. Weights
@@ -60,13 +61,10 @@ from __future__ import annotations
 
 import torch
 
-from . import pdl
-from .attention import _interpreted, triton
+from . import pdl, shim
+from .shim import tl, triton
 
 __all__ = ["MAX_ROWS", "available", "decode_linear", "decode_linear_reference"]
-
-if triton is not None:
-    import triton.language as tl
 
 MAX_ROWS = 16  # token rows per call: one row tile; larger forwards belong to cuBLAS
 _TUNED_SIZE = 1 << 20  # weights of at least this many elements get their tiles autotuned on CUDA
@@ -77,9 +75,7 @@ _FIXED = {"USE_DOT": False, "BLOCK_N": 4, "BLOCK_K": 32}
 def available(x: torch.Tensor) -> bool:
     """Whether the kernel can run on ``x``'s device: CUDA with Triton, or the CPU under Triton's
     interpreter (tests)."""
-    if triton is None:
-        return False
-    return x.is_cuda or (x.device.type == "cpu" and _interpreted())
+    return shim.available(x)
 
 
 def decode_linear_reference(
@@ -112,9 +108,7 @@ def decode_linear_reference(
 
 
 def _check(x, weight, bias, norm_weight, residual, gated) -> None:
-    if not available(x):
-        raise ValueError("decode_linear needs Triton and CUDA tensors (or TRITON_INTERPRET=1 on the CPU); "
-                         "install the gpu extra on Linux: pip install 'flashspec[gpu]'")
+    shim.require("decode_linear", x)
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"decode_linear runs 16-bit activations (bfloat16 or float16), got {x.dtype}")
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -289,8 +283,8 @@ if triton is not None:
         PDL: tl.constexpr,
     ):
         """Program ``i``: output columns ``i·BLOCK_N ..`` of every row (``M ≤ 16``). ``row_class``
-        (:func:`_row_class`) is read by the autotuner only. With ``PDL`` (flashspec.pdl) it
-        waits for the previous kernel before reading or writing anything."""
+        (:func:`_row_class`) is read by the autotuner only. With ``PDL`` (:mod:`flashspec.kernels.pdl`)
+        it waits for the previous kernel before reading or writing anything."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_live = rn < N
         dtype = y_ptr.dtype.element_ty
@@ -339,8 +333,8 @@ if triton is not None:
     def _configs() -> list:
         """CUDA-core tiles for one row (1 to 8 weight rows per program, so small matrices still
         spread over every SM) and tensor-core tiles (16 padded rows) for several: the winners of
-        probe 12's sweep on an H200 (benchmarks/probes/NOTES.md), where 8-warp tensor-core tiles,
-        16-row CUDA-core tiles and loading the next weight block ahead never won."""
+        a sweep on an H200 (docs/lab/NOTES.md, probe 12), where 8-warp tensor-core tiles, 16-row
+        CUDA-core tiles and loading the next weight block ahead never won."""
         configs = []
         for block_n, block_k, warps in ((1, 2048, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
                                         (4, 2048, 4), (8, 512, 4), (8, 512, 8), (8, 1024, 4)):
@@ -360,9 +354,9 @@ if triton is not None:
         kept = [c for c in kind if c.kwargs["BLOCK_N"] <= max(n, 16)]
         return kept or kind[:1]
 
-    # One choice per (N, K, flags, row class), never per M: batch invariance (module docstring).
-    # PDL is in the key: a choice timed with it on is not reused with it off (probe 15 saw a tile
-    # chosen under other launch conditions double gate/up's time).
+    # One choice per (N, K, flags, row class), never per M: batch invariance (module docstring,
+    # SPEC.md §3). PDL is in the key: a choice timed with it on is not reused with it off (a tile
+    # chosen under other launch conditions doubled gate/up's time: docs/lab/NOTES.md, probe 15).
     _tuned = triton.autotune(configs=_configs(),
                              key=["N", "K", "HAS_BIAS", "NORM", "RESIDUAL", "GATED", "row_class", "PDL"],
                              prune_configs_by={"early_config_prune": _prune})(_decode_linear_kernel)

@@ -1,13 +1,14 @@
-"""Programmatic dependent launch (PDL) for FlashSpec's decode kernels (Hopper and newer).
+"""Programmatic dependent launch (PDL) for FlashSpec's decode kernels (Hopper and newer; SPEC.md
+§3, "Programmatic dependent launch").
 
 A decode forward of a small model is a chain of small kernels, each depending on the one before
 (a Qwen2.5-1.5B layer: q/k/v, rotary + cache write, two attention kernels, o, gate/up, down).
-In a CUDA graph the gap between two of them is only ≈ 0.45 µs (probe 15's timeline, an H200),
-but each kernel still starts cold: its programs are scheduled, load their first bytes and only
-then do work. With PDL (a launch attribute, kept by CUDA graphs as a programmatic edge) the next
-kernel's programs may be launched while the current one still runs. Every Triton kernel of the
-decode forward (:mod:`flashspec.decode_linear`, :mod:`flashspec.rope_kv`,
-:mod:`flashspec.attention`) therefore starts with
+In a CUDA graph the gap between two of them is only ≈ 0.45 µs (an H200's kernel timeline,
+docs/lab/NOTES.md, probe 15), but each kernel still starts cold: its programs are scheduled,
+load their first bytes and only then do work. With PDL (a launch attribute, kept by CUDA graphs
+as a programmatic edge) the next kernel's programs may be launched while the current one still
+runs. Every Triton kernel of the decode forward (:mod:`flashspec.kernels.decode_linear`,
+:mod:`flashspec.kernels.rope_kv`, :mod:`flashspec.kernels.attention`) therefore starts with
 
 1. **wait** (``gdc_wait``): returns once the previous kernel has completed and its writes are
    visible. Every kernel of the chain waits before it can complete, so "the previous one has
@@ -15,19 +16,22 @@ decode forward (:mod:`flashspec.decode_linear`, :mod:`flashspec.rope_kv`,
 2. **let the next kernel launch** (``gdc_launch_dependents``), then read the inputs and compute.
 
 Nothing is read or written before the wait, so the arithmetic and every value are unchanged
-(checked bit for bit on an H200: probe 15, and ``tests/test_pdl.py``). Measured side by side
-(probe 16, three rounds, graph replay): the one-token forward of the Qwen2.5-1.5B shape about
-10 % faster with the default maps, of the Llama-3-8B shape 3 %; the 8B shape's 5-token forward
-2.3 % slower (not understood). Prefetching the next kernel's weights into L2 before the
-wait was tried too and made things slower (probe 15: the prefetched tiles of a 55 MB gate/up or
-a 117 MB down projection evict one another before they are read).
+(checked bit for bit on an H200: ``tests/kernels/test_pdl.py``, and docs/lab/NOTES.md, probe 15).
+Measured side by side (docs/lab/NOTES.md, probe 16: three rounds, graph replay; BENCHMARKS.md
+for the reported run): the one-token forward of the Qwen2.5-1.5B shape about 10 % faster with
+the default maps, of the Llama-3-8B shape 3 %; the 8B shape's 5-token forward 2.3 % slower (not
+understood). Prefetching the next kernel's weights into L2 before the wait was tried too and
+made things slower (docs/lab/NOTES.md, probe 15: the prefetched tiles of a 55 MB gate/up or a
+117 MB down projection evict one another before they are read).
 
 A kernel launched after one that does not take part (cuBLAS, inductor's) simply starts when that
 one ends. Without PDL support (older GPUs, the CPU interpreter, a Triton without ``launch_pdl``)
 the kernels compile without the wait and launch as usual.
 
-``FLASHSPEC_PDL=0`` in the environment turns it off for the process; :data:`ENABLED` is the
-switch probes flip between graph captures.
+``FLASHSPEC_PDL=0`` in the environment turns it off for the process. :data:`ENABLED` holds that
+setting and is read at every launch, so assigning it switches PDL for later launches and graph
+captures: ``flashspec bench gpu`` does, to time the default maps with PDL off beside them, and so
+do the tests. (A captured graph keeps the setting it was captured with.)
 """
 
 from __future__ import annotations

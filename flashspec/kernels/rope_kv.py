@@ -24,21 +24,16 @@ from __future__ import annotations
 
 import torch
 
-from . import pdl
-from .attention import _interpreted, _next_pow2, triton
+from . import pdl, shim
+from .shim import next_pow2, tl, triton
 
 __all__ = ["available", "rope_write_kv", "rope_write_kv_reference"]
-
-if triton is not None:
-    import triton.language as tl
 
 
 def available(query: torch.Tensor) -> bool:
     """Whether the kernel can run on ``query``'s device: CUDA with Triton, or the CPU under
     Triton's interpreter (tests)."""
-    if triton is None:
-        return False
-    return query.is_cuda or (query.device.type == "cpu" and _interpreted())
+    return shim.available(query)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,9 +62,7 @@ def rope_write_kv_reference(
 
 
 def _check(query, key, value, cos, sin, positions, keys, values) -> None:
-    if not available(query):
-        raise ValueError("rope_write_kv needs Triton and CUDA tensors (or TRITON_INTERPRET=1 on the CPU); "
-                         "install the gpu extra on Linux: pip install 'flashspec[gpu]'")
+    shim.require("rope_write_kv", query)
     if query.dim() != 4:
         raise ValueError(f"query {tuple(query.shape)} must be [B, q, H, D]")
     batch, width, heads, dim = query.shape
@@ -124,7 +117,7 @@ def _launch(
         positions.stride(0), positions.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
-        BLOCK_D=max(16, _next_pow2(dim)), PDL=pdl.enabled(query.device), num_warps=1,
+        BLOCK_D=max(16, next_pow2(dim)), PDL=pdl.enabled(query.device), num_warps=1,
         **pdl.launch_options(query.device),
     )
     return out
@@ -148,7 +141,7 @@ def rope_write_kv(
     to the host (StaticLM clamps its positions to the capacity).
 
     Under ``torch.compile`` it is the opaque custom op ``flashspec::rope_write_kv``, which
-    declares that it mutates the cache (so the cache is written in place, SPEC §3)."""
+    declares that it mutates the cache (so the cache is written in place, SPEC.md §3)."""
     return _OP(query, key, value, cos, sin, positions, keys, values)
 
 
@@ -179,7 +172,7 @@ if triton is not None:
         kc_sb, kc_sh, kc_sp, vc_sb, vc_sh, vc_sp,
         BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PDL:  # flashspec.pdl: every input comes from earlier kernels
+        if PDL:  # flashspec.kernels.pdl: every input comes from earlier kernels
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         bt = tl.program_id(0)

@@ -26,7 +26,8 @@ sequences, so nothing loops over positions or sequences one by one on the host.
    has no mass (``p_n ≤ q_n`` everywhere, which needs ``p_n == q_n`` up to rounding) the draw is
    from ``p_n``, whose chunk masses this kernel then computes itself, for those sequences only:
    one more pass over their row, in a case that practically never occurs. It writes the tokens.
-   (Until probe 18 kernel 4 also summed ``p_n`` for that case: twice the reductions, always.)
+   (Kernel 4 used to sum ``p_n`` for that case too, always: twice the reductions; dropping that
+   made it 12–19 % faster, docs/lab/NOTES.md, probe 18.)
 
 top-k and top-p need a sort of every row, which does not stream; for them the logits first go
 through :func:`flashspec.sampling.process_logits` in PyTorch (float32, ``-inf`` for removed
@@ -49,12 +50,13 @@ Memory traffic
 Properties
 ----------
 * Same law as the reference; given the same uniforms the same tokens and accept lengths, except
-  where a decision lies within float rounding of its boundary: ``exp`` (the hardware
-  approximation unless ``FAST_EXP = False``) and the order of the float32 sums differ from
-  PyTorch's by a few ulps. With a large vocabulary an inverse-CDF draw has ``~V`` boundaries, so
-  such flips become measurable: 1–2 sequences in 1,000 at ``V = 128256`` (γ = 4, T = 0.7), each within
-  ~2e-7 (relative) of its boundary (:func:`flashspec.bench_kernels.parity_stress`); any two float32 softmax implementations
-  that sum in different orders can disagree so. Greedy compares raw logits exactly: identical.
+  where a decision lies within float rounding of its boundary (SPEC.md §2, "Exactness"): ``exp``
+  (on CUDA the hardware approximation, where PyTorch uses libdevice's ``expf``) and the order of
+  the float32 sums differ from PyTorch's by a few ulps. With a large vocabulary an inverse-CDF
+  draw has ``~V`` boundaries, so such flips become measurable: 1–2 sequences in 1,000 at
+  ``V = 128256`` (γ = 4, T = 0.7), each within ~2e-7 (relative) of its boundary
+  (:func:`flashspec.bench.kernels.parity_stress`); any two float32 softmax implementations that
+  sum in different orders can disagree so. Greedy compares raw logits exactly: identical.
 * No host synchronisation: outputs and buffers are ``torch.empty`` on the logits' device and no
   value is read back, so a call can be captured in a CUDA graph.
 * No recompilation per batch size or ``k``: ``B``, ``k``, strides, ``T`` and the chunk count are
@@ -81,11 +83,10 @@ import contextlib
 import numpy as np
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra import libdevice
 
 from ..sampling import SamplingParams, process_logits
+from . import shim
+from .shim import device_fn, interpreted, jit, next_pow2, tl, triton
 
 __all__ = ["compiled_variants", "verify_triton"]
 
@@ -97,16 +98,17 @@ SEQ_WARPS = 2
 POSITION_BLOCK = 16  # positions per step of kernels 3 and 5 (one step while k < 16)
 SCAN_BLOCK = 4096  # logits per step of kernel 5's scan inside one chunk (one step)
 DRAW_WARPS = 8
-FOLD_ROWS = 4  # rows per program of kernel 2 (probe 19: 4-10 µs faster than ~4096-value tiles)
+FOLD_ROWS = 4  # rows per program of kernel 2 (4-10 µs faster than ~4096-value tiles: docs/lab/NOTES.md,
+#                probe 19)
 FOLD_WARPS = 1
 PARTIAL_BLOCK = 64  # partials folded per step (one step while V <= 64 * CHUNK)
-FAST_EXP = True  # the hardware exp approximation; False: libdevice's expf, as PyTorch (slower)
-_INT_MAX = tl.constexpr(2147483647)
-_NEG_INF = tl.constexpr(float("-inf"))
+if tl is not None:  # (without Triton the module imports; verify_triton then refuses to run)
+    _INT_MAX = tl.constexpr(2147483647)
+    _NEG_INF = tl.constexpr(float("-inf"))
 
-_MAX = tl.standard._elementwise_max
-_MIN = tl.standard._elementwise_min
-_SUM = tl.standard._sum_combine
+    _MAX = tl.standard._elementwise_max
+    _MIN = tl.standard._elementwise_min
+    _SUM = tl.standard._sum_combine
 
 # Runtime arguments that must not make new compilations (Triton would otherwise specialise
 # ints equal to 1 and divisibility by 16).
@@ -114,17 +116,7 @@ _RUNTIME = ["B", "n_rows", "k1", "stride_b", "stride_i", "num_chunks", "temperat
             "q_sb", "q_si", "u_sb", "u_si"]
 
 
-def _interpreted() -> bool:
-    return bool(triton.knobs.runtime.interpret)
-
-
-def _device_fn(fn):
-    """``@triton.jit`` for a helper, except under the interpreter, where a plain function runs
-    the same code without the interpreter's ~1 ms cost per nested jit call."""
-    return fn if _interpreted() else triton.jit(fn)
-
-
-_kernel = triton.jit(do_not_specialize=_RUNTIME)
+_kernel = jit(do_not_specialize=_RUNTIME)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,7 +125,7 @@ _kernel = triton.jit(do_not_specialize=_RUNTIME)
 # ----------------------------------------------------------------------------------------------
 
 
-@_device_fn
+@device_fn
 def _fold_argmax(m_ptr, x_ptr, parts, live, num_chunks, PARTIALS: tl.constexpr):
     """Rows' maximum and first argmax from their chunk partials at ``parts [S]`` (in order)."""
     best = tl.load(m_ptr + parts, mask=live, other=_NEG_INF)
@@ -153,8 +145,8 @@ def _fold_argmax(m_ptr, x_ptr, parts, live, num_chunks, PARTIALS: tl.constexpr):
     return best, best_idx
 
 
-@_device_fn
-def _fold_logsumexp(m_ptr, s_ptr, parts, live, num_chunks, PARTIALS: tl.constexpr, MATH: tl.constexpr):
+@device_fn
+def _fold_logsumexp(m_ptr, s_ptr, parts, live, num_chunks, PARTIALS: tl.constexpr):
     """Rows' ``(M, S)``, ``S = Σ exp(z − M)``, from their chunk partials at ``parts [S]``."""
     big_m = tl.load(m_ptr + parts, mask=live, other=0.0)
     big_s = tl.load(s_ptr + parts, mask=live, other=0.0) * 0.0  # (big_m * 0 is NaN at -inf)
@@ -166,23 +158,13 @@ def _fold_logsumexp(m_ptr, s_ptr, parts, live, num_chunks, PARTIALS: tl.constexp
         s = tl.load(s_ptr + parts[:, None] + c[None, :], mask=mask, other=0.0)
         new_m = tl.maximum(big_m, tl.reduce(m, 1, _MAX))
         safe = tl.where(new_m == _NEG_INF, 0.0, new_m)
-        big_s = big_s * _exp(big_m - safe, MATH) + tl.reduce(s * _exp(m - safe[:, None], MATH), 1, _SUM)
+        big_s = big_s * tl.exp(big_m - safe) + tl.reduce(s * tl.exp(m - safe[:, None]), 1, _SUM)
         big_m = new_m
         c0 += PARTIALS
     return big_m, big_s
 
 
-@_device_fn
-def _exp(x, MATH: tl.constexpr):
-    """``exp`` as PyTorch computes it: libdevice's ``expf`` on CUDA (MATH 1), the hardware
-    approximation (MATH 2, faster, a few ulps off), numpy's under the interpreter (MATH 0)."""
-    if MATH == 1:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@_device_fn
+@device_fn
 def _scale(x, temperature, MATH: tl.constexpr):
     """``float32(x) / T`` as PyTorch computes it: a division on the CPU (MATH 0); on CUDA a
     product with ``temperature = float32(1 / T)``, as ``tensor / python_float`` does there."""
@@ -192,13 +174,13 @@ def _scale(x, temperature, MATH: tl.constexpr):
         return x.to(tl.float32) * temperature
 
 
-@_device_fn
+@device_fn
 def _target_prob(x, temperature, big_m, big_s, MATH: tl.constexpr):
     """``p = exp(z − M) / S`` in float32 with ``z`` from :func:`_scale`, as ``softmax``."""
-    return tl.math.div_rn(_exp(_scale(x, temperature, MATH) - big_m, MATH), big_s)
+    return tl.math.div_rn(tl.exp(_scale(x, temperature, MATH) - big_m), big_s)
 
 
-@_device_fn
+@device_fn
 def _row_n(logits_row, q_row, d_n, drafted, temperature, big_m, big_s, idx, limit, HAS_Q: tl.constexpr,
            MATH: tl.constexpr):
     """``(p_n, max(0, p_n − q_n))`` at ``idx [S or 1, C]`` of the rows at ``logits_row [S]``,
@@ -213,7 +195,7 @@ def _row_n(logits_row, q_row, d_n, drafted, temperature, big_m, big_s, idx, limi
     return p, tl.maximum(p - q, 0.0)
 
 
-@_device_fn
+@device_fn
 def _write_tokens(drafts_ptr, b, d_sb, d_si, tok_ptr, live, k1, n, final, KB: tl.constexpr):
     """``tokens[b] = d_0..d_{n-1}, final, -1, ...`` for the sequences ``b [S]``, ``KB``
     positions at a time."""
@@ -259,13 +241,13 @@ def _partials_kernel(
         m = tl.reduce(z, 1, _MAX)
         safe = tl.where(m == _NEG_INF, 0.0, m)
         tl.store(part_m_ptr + out, m, mask=live)
-        tl.store(part_x_ptr + out, tl.reduce(_exp(z - safe[:, None], MATH), 1, _SUM), mask=live)
+        tl.store(part_x_ptr + out, tl.reduce(tl.exp(z - safe[:, None]), 1, _SUM), mask=live)
 
 
 @_kernel
 def _rows_kernel(
     part_m_ptr, part_x_ptr, row_m_ptr, row_x_ptr, n_rows, num_chunks,
-    GREEDY: tl.constexpr, ROWS: tl.constexpr, PARTIALS: tl.constexpr, MATH: tl.constexpr,
+    GREEDY: tl.constexpr, ROWS: tl.constexpr, PARTIALS: tl.constexpr,
 ):
     """Kernel 2: fold each row's chunk partials → its argmax, or its ``(M, S)``."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -275,7 +257,7 @@ def _rows_kernel(
         _, choice = _fold_argmax(part_m_ptr, part_x_ptr, parts, live, num_chunks, PARTIALS)
         tl.store(row_x_ptr + rows, choice, mask=live)
     else:
-        big_m, big_s = _fold_logsumexp(part_m_ptr, part_x_ptr, parts, live, num_chunks, PARTIALS, MATH)
+        big_m, big_s = _fold_logsumexp(part_m_ptr, part_x_ptr, parts, live, num_chunks, PARTIALS)
         tl.store(row_m_ptr + rows, big_m, mask=live)
         tl.store(row_x_ptr + rows, big_s, mask=live)
 
@@ -459,20 +441,16 @@ def _draw_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _next_power_of_2(x: int) -> int:
-    return 1 << max(int(x) - 1, 0).bit_length()
-
-
 def _tiles(vocab: int) -> dict[str, int]:
     """Tile sizes, a function of ``V`` only (so ``B`` and ``k`` never change a compilation).
 
     Large vocabularies get one row per program in kernels 1 and 4 and one sequence per program in
     kernel 5; small ones pack rows/sequences so that a program still covers ~``TILE`` logits.
     """
-    chunk = min(CHUNK_MAX, max(16, _next_power_of_2(vocab)))
+    chunk = min(CHUNK_MAX, max(16, next_pow2(vocab)))
     num_chunks = -(-vocab // chunk)
     scan = min(chunk, SCAN_BLOCK)
-    partials = min(PARTIAL_BLOCK, _next_power_of_2(num_chunks))
+    partials = min(PARTIAL_BLOCK, next_pow2(num_chunks))
     return {
         "chunk": chunk,
         "num_chunks": num_chunks,
@@ -485,10 +463,8 @@ def _tiles(vocab: int) -> dict[str, int]:
 
 
 def _math_mode(device: torch.device) -> int:
-    """0: CPU math (the interpreter); 1: PyTorch's CUDA math; 2: CUDA with the fast exp."""
-    if device.type != "cuda" or _interpreted():
-        return 0
-    return 2 if FAST_EXP else 1
+    """0: CPU math (the interpreter); 1: CUDA math (``T`` as a product, the hardware ``exp``)."""
+    return 0 if device.type != "cuda" or interpreted() else 1
 
 
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -507,6 +483,7 @@ def verify_triton(
     Inputs as for :func:`flashspec.verify.verify`, which validates shapes before calling this.
     Every tensor must be on the logits' device. No host synchronisation.
     """
+    shim.require("verify_triton", target_logits)
     batch, k1, vocab = target_logits.shape
     k = k1 - 1
     device = target_logits.device
@@ -556,7 +533,7 @@ def verify_triton(
         )
         _rows_kernel[(triton.cdiv(rows, FOLD_ROWS),)](
             part_m, part_x, row_m, row_x, rows, num_chunks,
-            GREEDY=greedy, ROWS=FOLD_ROWS, PARTIALS=tiles["partials"], MATH=math_mode, num_warps=FOLD_WARPS,
+            GREEDY=greedy, ROWS=FOLD_ROWS, PARTIALS=tiles["partials"], num_warps=FOLD_WARPS,
         )
         _decide_kernel[(triton.cdiv(batch, seqs),)](
             logits, row_m, row_x, drafts, q, u, num_accepted, tokens,

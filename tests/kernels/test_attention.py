@@ -238,8 +238,13 @@ def test_available():
 def test_imports_without_triton(monkeypatch):
     """A second copy of the module, loaded while ``import triton`` fails: it imports, reports
     itself unavailable and its reference still works."""
+    import flashspec.kernels
+
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
+    # A fresh copy of the shim too (it holds the optional triton import); both put back after.
+    monkeypatch.delitem(sys.modules, "flashspec.kernels.shim")
+    monkeypatch.delattr(flashspec.kernels, "shim")
     spec = importlib.util.spec_from_file_location("flashspec_attention_without_triton", attention.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
