@@ -286,13 +286,15 @@ class _Run:
         self, arm: int | None, k: int, accepted: int, active_rows: int, committed: int, seconds: float
     ) -> None:
         """The update: one polled step into the statistics and the selector."""
+        if active_rows == 0:  # a step queued ahead after every row finished: it did nothing
+            return
         stats, plan = self.stats, self.plan
         label = None if arm is None else plan.labels[arm]
         stats.step_log.append(StepRecord(label, accepted, active_rows, committed, seconds))
         stats.steps += 1
         stats.row_steps += active_rows
         stats.decode_tokens += committed
-        if arm is None or active_rows == 0:
+        if arm is None:
             return
         observation = Observation(accepted, k * active_rows, committed, max(seconds, 1e-9))
         started = time.perf_counter()
