@@ -68,6 +68,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- commands
 def generate(args: argparse.Namespace) -> None:
     """Complete ``--prompt`` speculatively; with ``--compare`` also target-only, and the speedup."""
+    _sampling_options(args)  # checked before minutes of model loading
     engine, baseline = _load_pair(args.target, args.draft, args.tokenizer, args.device, args.dtype)
     _complete(engine, baseline if args.compare else None, args.prompt, args)
 
@@ -76,6 +77,7 @@ def demo(args: argparse.Namespace) -> None:
     """The demo pair on a code prompt, speculative beside target-only."""
     from .demo import demo_pair
 
+    _sampling_options(args)  # checked before the download and minutes of model loading
     target, draft = demo_pair()
     engine, baseline = _load_pair(target, [draft], None, args.device, args.dtype)
     _complete(engine, baseline, args.prompt, args)
@@ -94,6 +96,21 @@ def _load_pair(target: str, drafts: list[str], tokenizer: str | None, device: st
 
 
 def _sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``generate``'s sampling keywords from the flags (``--temperature 0``: greedy), checked."""
+    import math
+
+    from .request import MAX_DRAFT_TOKENS
+    from .sampling import SamplingParams
+
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 means greedy); got {args.temperature}.")
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}.")
+    if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--num-draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}; got {args.num_draft_tokens}.")
+    do_sample = args.temperature > 0
+    SamplingParams(do_sample=do_sample, temperature=args.temperature if do_sample else 1.0,
+                   top_k=args.top_k, top_p=args.top_p)  # a ValueError naming the bad value
     return dict(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.temperature > 0,

@@ -40,3 +40,17 @@ def test_bench_bandit_bad_arms(capsys):
 def test_bench_select_checks_options_before_loading(flag, value, message, capsys):
     assert main(["bench", "select", "--target", "/nonexistent", flag, value]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "-1"], "--temperature"), (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "inf"], "--temperature"), (["--temperature", "1e-9"], "temperature"),
+    (["--top-p", "0"], "top_p"), (["--top-k", "-2"], "top_k"), (["--num-draft-tokens", "0"], "--num-draft-tokens"),
+    (["--max-new-tokens", "-5"], "--max-new-tokens"),
+])
+def test_sampling_flags_are_checked_before_any_model_loads(flags, message, capsys):
+    """The target does not exist: an error about the flag (not the path) shows that the flags are
+    checked first; before, --temperature -1 or nan silently decoded greedily."""
+    assert main(["generate", "--target", "/nonexistent/model.gguf", "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "does not exist" not in err
