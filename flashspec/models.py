@@ -16,8 +16,15 @@ __all__ = ["DTYPES", "load_model", "load_tokenizer", "context_window", "check_no
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _looks_like_a_path(spec: str) -> bool:
+    """A spec no hub id can be (``org/name``): absolute, relative to ``.``/``~``, or deeper."""
+    return spec.startswith(("/", "./", "../", "~", "\\")) or spec.count("/") > 1 or "\\" in spec
+
+
 def _split_gguf(spec: str) -> tuple[str, dict[str, Any]]:
     """``/dir/file.gguf`` → (``/dir``, ``{"gguf_file": "file.gguf"}``); other specs unchanged."""
+    if _looks_like_a_path(spec) and not Path(spec).expanduser().exists():
+        raise ValueError(f"Could not load a model from {spec!r}: no such folder or file (it does not exist).")
     if spec.lower().endswith(".gguf"):
         path = Path(spec)
         if not path.is_file():

@@ -205,3 +205,12 @@ def test_context_labels_are_evicted_least_recently_used_first():
     assert len(engine.selection.contexts) == engine.selection.max_contexts
     with pytest.raises(ValueError, match="max_contexts"):
         Selection("ucb1", 2, max_contexts=0)
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/model", "./no/such/folder", "~/no-such-model-here"])
+def test_a_nonexistent_path_says_so(path):
+    """Before: transformers' 'Repo id must be in the form ...' for a path that simply does not exist."""
+    with pytest.raises(ValueError, match="does not exist"):
+        SpeculativeEngine(path, [])
+    with pytest.raises(ValueError, match="does not exist"):
+        SpeculativeEngine(TARGET, [path])
