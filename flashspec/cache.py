@@ -334,8 +334,12 @@ write_kv = _register_write_kv()
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several linear maps of the same input, stacked by output; the
-    modules are re-pointed at slices of it, so the model keeps working and nothing is copied twice."""
+    """One weight (and bias) for several linear maps of the same input, stacked by output.
+
+    The modules' parameters keep their identity, ``requires_grad`` and values; only their
+    storage becomes a slice of the fused tensor (``param.data = slice``), so nothing is held
+    twice, an optimizer built earlier still holds the model's parameters, and in-place updates
+    of them (an optimizer step, ``load_state_dict``) are what the engine computes with."""
     cached = getattr(linears[0], "_flashspec_fused", None)
     if cached is not None and cached[0].data_ptr() == linears[0].weight.data_ptr():
         return cached  # already fused by another wrapper of the same model: share it
@@ -347,9 +351,9 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
         offset = 0
         for m in linears:
             n = m.out_features
-            m.weight = torch.nn.Parameter(weight[offset : offset + n], requires_grad=False)
+            m.weight.data = weight[offset : offset + n]
             if m.bias is not None:
-                m.bias = torch.nn.Parameter(bias[offset : offset + n], requires_grad=False)
+                m.bias.data = bias[offset : offset + n]
             offset += n
     linears[0]._flashspec_fused = (weight, bias)
     return weight, bias

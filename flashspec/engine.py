@@ -22,7 +22,7 @@ from .drafters import DatastoreDrafter, Drafter, ModelDrafter, NgramDrafter
 from .graphs import Graphs
 from .loop import Plan, Workspace, commit_step, decode, workspace_shape
 from .request import MAX_DRAFT_TOKENS
-from .models import check_causal_lm, load_model, load_tokenizer
+from .models import check_causal_lm, eval_mode, load_model, load_tokenizer
 from .parallel import tensor_parallel_of
 from .request import Request, parse_request
 from .select import Selection, Selector
@@ -91,7 +91,7 @@ class SpeculativeEngine:
         if not isinstance(target, PreTrainedModel):
             raise ValueError("target must be a transformers causal LM or a path / hub id / .gguf file.")
         check_causal_lm(target, "target")
-        self.target = target.eval()
+        self.target = target  # its training mode is switched only during a call (eval_mode)
         # Tensor parallelism (flashspec.parallel, SPEC.md §9): every rank runs this same loop;
         # the few places that must agree across ranks check self._tp.
         self._tp = tensor_parallel_of(self.target)
@@ -214,7 +214,8 @@ class SpeculativeEngine:
 
         Calls from several threads are serialised: each waits for the one before to finish.
         """
-        with self._generating:  # concurrent calls wait for one another
+        models = [self.target] + [d.model for d in self.drafters if isinstance(d, ModelDrafter)]
+        with self._generating, eval_mode(*models):  # concurrent calls wait for one another
             return self._generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                   do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                   num_draft_tokens=num_draft_tokens, eos_token_id=eos_token_id, seed=seed,

@@ -11,6 +11,10 @@ Glossary:
   synchronisation), hands it to the statistics and the selector (the *update*, lagged), and
   learns whether any row is still generating.
 
+* **fault** — a step whose target logits are not finite, whose draw found no probability mass,
+  or whose drafter proposed ids outside the vocabulary. It is noted on the device (the first
+  one: step, row, kind) and raised as a ``ValueError`` at the next poll (SPEC.md §5).
+
 Nothing inside a step reads a tensor back to the host, so on CUDA the score-verify-commit work
 of a step is one graph replay and the host runs ahead of the device.
 """
@@ -67,6 +71,30 @@ class Workspace:
         # Per-step log, read lagged: accepted drafts, rows still active, tokens committed.
         self.log = torch.zeros(capacity + 1, 3, **long)
         self.steps_taken = torch.zeros((), **long)
+        self.fault = torch.zeros(3, **long)  # the first fault: step + 1 (0: none), row, kind (FAULTS)
+
+
+# What a fault's kind means (Workspace.fault[2]).
+FAULTS = {
+    1: "the target's logits are not finite (NaN or infinite): the model is broken or overflows in its dtype",
+    2: "a token draw found no finite probability mass: the drafter's probabilities are not finite or not a law",
+    3: "the drafter proposed token ids outside the target's vocabulary",
+}
+
+
+def note_fault(fault: torch.Tensor, rows: torch.Tensor, kind: int, step: torch.Tensor) -> None:
+    """Keep ``[step + 1, first row, kind]`` in ``fault`` when ``rows [B]`` (bool) marks a row and no
+    fault was noted before (tensor code only: no value goes back to the host)."""
+    hit = rows.any() & (fault[0] == 0)
+    entry = torch.stack([step + 1, rows.long().argmax(), torch.full_like(step, kind)])
+    fault.copy_(torch.where(hit, entry, fault))
+
+
+def raise_fault(fault: list[int]) -> None:
+    """A noted fault (``Workspace.fault`` read back) as the ``ValueError`` it stands for."""
+    step, row, kind = fault
+    if step:
+        raise ValueError(f"Generation stopped at decode step {step - 1}, row {row}: {FAULTS[kind]}.")
 
 
 @dataclass(frozen=True)
@@ -148,6 +176,7 @@ class _Run:
         ws.eos[: len(request.eos)] = torch.tensor(request.eos, dtype=torch.long)
         ws.log.zero_()
         ws.steps_taken.zero_()
+        ws.fault.zero_()
         self.tokens, self.length, self.active, self.generated = ws.tokens, ws.length, ws.active, ws.generated
         self.max_length = request.longest  # host-side upper bound on length.max()
         self.length_limit = request.longest + max_new_tokens
@@ -160,6 +189,7 @@ class _Run:
         self.rng.manual_seed(seed)
         self.draft_uniforms = ws.random[:, : self.gamma]
         self.verify_uniforms = ws.random[:, self.gamma :]
+        self.vocab_size: int = plan.target.model.config.vocab_size
         self.chosen: list[int | None] = []  # host: the arm chosen at each step
         self.proposed: list[int] = []  # host: drafts per active row at each step
         self.clock = _StepClock(device)
@@ -174,6 +204,10 @@ class _Run:
         width = self.max_length
         real = (torch.arange(width, device=self.tokens.device) < self.length[:, None]).long()
         logits = self.plan.target.forward(self.tokens[:, :width], zeros, real, logits_at=(self.length - 1)[:, None])
+        finite = torch.isfinite(logits).flatten(1).all(dim=1)
+        if not bool(finite.all()):  # the prefill reads back once anyway (its time is measured)
+            row = int((~finite).long().argmax())
+            raise ValueError(f"Generation stopped at the prefill, row {row}: {FAULTS[1]}.")
         no_drafts = self.ws.draft_tokens[:, :0]
         self.ws.random.uniform_(generator=self.rng)
         result = verify(logits, no_drafts, None, self.params, self.verify_uniforms[:, :1])
@@ -218,7 +252,10 @@ class _Run:
         history = History(self.tokens, self.length, self.active, self.max_length)
         drafter = self.plan.drafters[self.plan.arm_drafters[arm]]
         draft = drafter.propose(history, k, self.params, self.draft_uniforms[:, :k])
-        ws.draft_tokens[:, :k].copy_(draft.tokens)
+        self._check_draft(drafter, draft, k)
+        outside = (draft.tokens < 0) | (draft.tokens >= self.vocab_size)  # [B, k]
+        note_fault(ws.fault, outside.any(dim=1) & self.active, 3, ws.steps_taken)
+        ws.draft_tokens[:, :k].copy_(draft.tokens.masked_fill(outside, 0))  # never index with them
         has_probs = draft.probs is not None
         if has_probs:
             if ws.draft_probs is None:
@@ -233,6 +270,25 @@ class _Run:
                 tp.broadcast_(ws.draft_probs)
         return has_probs
 
+    def _check_draft(self, drafter: Drafter, draft: Any, k: int) -> None:
+        """A drafter's output has the protocol's shapes (checked on the host: no device read)."""
+        tokens, probs = getattr(draft, "tokens", None), getattr(draft, "probs", None)
+        where = f"Drafter {getattr(drafter, 'name', drafter)!r} returned"
+        if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != (self.batch, k):
+            shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"{where} draft tokens of shape {shape}; the protocol asks for [{self.batch}, {k}] "
+                             "(Draft(tokens [B, k], probs [B, k, V] or None)).")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ValueError(f"{where} {tokens.dtype} draft tokens; token ids are integers.")
+        if tokens.device != self.tokens.device:
+            raise ValueError(f"{where} draft tokens on {tokens.device}; the target is on {self.tokens.device}.")
+        if probs is not None and (not isinstance(probs, torch.Tensor)
+                                  or tuple(probs.shape) != (self.batch, k, self.vocab_size)
+                                  or not probs.dtype.is_floating_point or probs.device != self.tokens.device):
+            shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+            raise ValueError(f"{where} draft probabilities of shape {shape}; the protocol asks for a float "
+                             f"[{self.batch}, {k}, {self.vocab_size}] tensor on {self.tokens.device}, or None.")
+
     def _score_verify_commit(self, k: int, has_probs: bool) -> None:
         """Score the drafts with the target, verify them, commit the result (tensor code only)."""
         ws = self.ws
@@ -242,6 +298,9 @@ class _Run:
         logits = self.plan.target.forward(fed, self.length - 1, self.active[:, None].expand_as(fed))
         probs = ws.draft_probs[:, :k] if has_probs else None
         result = verify(logits, drafts, probs, self.params, self.verify_uniforms[:, : k + 1])
+        note_fault(ws.fault, ~torch.isfinite(logits).flatten(1).all(dim=1) & self.active, 1, ws.steps_taken)
+        drawn = result.tokens.gather(1, result.num_accepted[:, None])[:, 0]  # the recovered or bonus token
+        note_fault(ws.fault, (drawn < 0) & self.active, 2, ws.steps_taken)
         self.plan.commit_step(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos,
                               result.tokens, result.num_accepted, ws.log, ws.steps_taken)
 
@@ -253,7 +312,7 @@ class _Run:
         marks = self.clock.take(steps - self.polled)
         ws = self.ws
         flags = torch.stack([self.active.any().long(), self.generated.sum()])
-        packed = torch.cat([ws.log[self.polled : steps].flatten(), flags])
+        packed = torch.cat([ws.log[self.polled : steps].flatten(), ws.fault, flags])
         if packed.is_cuda:
             packed = packed.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
@@ -269,7 +328,8 @@ class _Run:
         if snapshot.ready is not None:
             snapshot.ready.synchronize()  # the synchronisation
         values = snapshot.packed.tolist()
-        *log, running, self.generated_total = values
+        *log, step, row, kind, running, self.generated_total = values
+        raise_fault([step, row, kind])
         if snapshot.steps > self.polled:
             seconds = self.clock.seconds(snapshot.marks)
             if self.plan.tp is not None and self.plan.selector is not None:

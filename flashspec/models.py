@@ -5,12 +5,15 @@ A model is given as a loaded transformers model, a local folder, a hub id or a `
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "load_model", "load_tokenizer", "context_window", "check_no_sliding_window", "check_causal_lm"]
+__all__ = ["DTYPES", "load_model", "load_tokenizer", "context_window", "check_no_sliding_window", "check_causal_lm",
+           "eval_mode"]
 
 # The precisions a command line may name.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,3 +112,17 @@ def check_causal_lm(model: Any, role: str) -> None:
     if not known and not getattr(config, "is_decoder", False):
         raise ValueError(f"The {role} is a {type(model).__name__}, not a causal language model; load it with "
                          "AutoModelForCausalLM (FlashSpec needs a decoder-only causal LM).")
+
+
+@contextmanager
+def eval_mode(*models: Any) -> Iterator[None]:
+    """Run with every model in eval mode (no dropout), then put back the mode each had: the
+    engine does not leave a caller's model switched (SPEC.md §5)."""
+    modes = [m.training for m in models]
+    try:
+        for m in models:
+            m.eval()
+        yield
+    finally:
+        for m, training in zip(models, modes):
+            m.train(training)

@@ -214,3 +214,103 @@ def test_a_nonexistent_path_says_so(path):
         SpeculativeEngine(path, [])
     with pytest.raises(ValueError, match="does not exist"):
         SpeculativeEngine(TARGET, [path])
+
+
+# ------------------------------------------------------------------ 2. and 11. faults found on the device
+class _Poisoned:
+    """Turns the target's logits into NaN from its ``after``-th head call on (a model broken mid-way)."""
+
+    def __init__(self, model: torch.nn.Module, after: int) -> None:
+        self.calls, self.after = 0, after
+        self.handle = model.lm_head.register_forward_hook(self)
+
+    def __call__(self, module, inputs, output):
+        self.calls += 1
+        return output.fill_(float("nan")) if self.calls > self.after else output
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("drafters", [[], ["ngram"], [DRAFT]])
+def test_non_finite_logits_stop_generation_with_the_row_and_step(do_sample, drafters):
+    """Before: greedy took the argmax of NaN (a silent wrong token), sampling emitted token id -1."""
+    model = llama(seed=3)
+    engine = SpeculativeEngine(model, drafters)
+    poison = _Poisoned(model, after=3)  # the prefill and two steps are fine
+    with pytest.raises(ValueError, match=r"decode step \d+, row 0: the target's logits are not finite"):
+        engine.generate([PROMPT], max_new_tokens=20, do_sample=do_sample, temperature=0.8, eos_token_id=[])
+    poison.handle.remove()
+    _Poisoned(model, after=0)
+    with pytest.raises(ValueError, match="at the prefill, row 0: the target's logits are not finite"):
+        engine.generate([PROMPT, [5, 6]], max_new_tokens=4, eos_token_id=[])
+
+
+class _Custom:
+    """A drafter returning whatever it is told to."""
+
+    name = "custom"
+
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def begin(self, batch_size: int) -> None:
+        pass
+
+    def propose(self, history, num_tokens, params, uniforms):
+        from flashspec import Draft
+
+        tokens, probs = self.make(history.tokens.shape[0], num_tokens)
+        return Draft(tokens, probs)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda b, k: (torch.full((b, k), 32), None), "outside the target's vocabulary"),
+    (lambda b, k: (torch.full((b, k), -1), None), "outside the target's vocabulary"),
+    (lambda b, k: (torch.zeros(b, k + 1, dtype=torch.long), None), r"shape \(2, 5\); the protocol asks for \[2, 4\]"),
+    (lambda b, k: (torch.zeros(k, dtype=torch.long), None), "shape"),
+    (lambda b, k: ([[0] * k] * b, None), "shape list"),
+    (lambda b, k: (torch.zeros(b, k), None), "float32 draft tokens"),
+    (lambda b, k: (torch.zeros(b, k, dtype=torch.long), torch.ones(b, k, 7)), "draft probabilities of shape"),
+])
+def test_a_custom_drafters_output_is_checked(make, message):
+    """Before: an IndexError or RuntimeError from deep inside verification."""
+    engine = SpeculativeEngine(TARGET, [_Custom(make)])
+    with pytest.raises(ValueError, match=message):
+        engine.generate([PROMPT, [7, 8, 9]], max_new_tokens=6, do_sample=True, temperature=0.9, eos_token_id=[])
+
+
+def test_a_drafter_whose_probabilities_are_nan_has_every_draft_rejected():
+    """NaN q fails every acceptance test (u·q < p is false), and the residual with no finite mass
+    falls back to the target's own law (SPEC.md §2): the output stays the target's, never id -1."""
+    nan = lambda b, k: (torch.zeros(b, k, dtype=torch.long), torch.full((b, k, 32), float("nan")))  # noqa: E731
+    out = SpeculativeEngine(TARGET, [_Custom(nan)]).generate(
+        [PROMPT, [5, 6]], max_new_tokens=12, do_sample=True, temperature=0.9, eos_token_id=[], seed=0)
+    assert out.stats.accepted == 0 and out.stats.proposed > 0
+    assert all(0 <= t < 32 for row in out.sequences for t in row) and all(len(r) == 12 for r in out.sequences)
+
+
+# ------------------------------------------------------------------ 4. the user's model is left as it was
+@pytest.mark.parametrize("drafted", [False, True])
+def test_building_and_using_an_engine_leaves_the_model_as_it_was(drafted):
+    """Before: q/k/v and gate/up became new Parameters with requires_grad=False (an optimizer built
+    earlier held orphans) and the model was left in eval mode."""
+    model, draft = llama(seed=7).train(), llama(seed=8).train()
+    params = dict(model.named_parameters())
+    values = {k: v.detach().clone() for k, v in params.items()}
+    flags = {k: v.requires_grad for k, v in params.items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = SpeculativeEngine(model, [draft] if drafted else [])
+    engine.generate([PROMPT], max_new_tokens=8, eos_token_id=[])
+    assert model.training and draft.training  # eval only during the call
+    after = dict(model.named_parameters())
+    assert all(after[k] is params[k] for k in params)  # the same objects: the optimizer still holds them
+    assert all(after[k].requires_grad == flags[k] for k in params)
+    assert all(torch.equal(after[k], values[k]) for k in params)
+    # Training through the model still works, and the engine computes with the updated weights.
+    loss = model(torch.tensor([PROMPT]), labels=torch.tensor([PROMPT])).loss
+    loss.backward()
+    optimizer.step()
+    assert not torch.equal(params["model.layers.0.self_attn.q_proj.weight"], values["model.layers.0.self_attn.q_proj.weight"])
+    fresh = llama(seed=7)  # the updated weights in a model no engine has touched
+    fresh.load_state_dict(model.state_dict())
+    expected = SpeculativeEngine(fresh, []).generate([PROMPT], max_new_tokens=8, eos_token_id=[]).sequences
+    assert engine.generate([PROMPT], max_new_tokens=8, eos_token_id=[]).sequences == expected

@@ -34,7 +34,7 @@ class ModelDrafter:
                 f"The drafter's vocabulary has {vocab} tokens but the target's has "
                 f"{target_vocab_size}; a drafter must share the target's tokenizer and vocabulary."
             )
-        self.model = model.eval()
+        self.model = model  # in eval mode during the engine's calls only (models.eval_mode)
         self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         self._lm = make_lm(self.model, compile=compile)
         static_on_gpu = isinstance(self._lm, StaticLM) and self.model.device.type == "cuda"
