@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from .models import hub_reachable
 
 __all__ = ["RegistryModel", "DEMO_TARGET", "DEMO_DRAFT", "DEMO_PROMPT", "fetch_demo_model", "demo_pair"]
 
@@ -64,17 +65,6 @@ DEMO_DRAFT = RegistryModel(
 def cache_dir() -> Path:
     """Where fetched models live: ``$FLASHSPEC_CACHE`` or ``~/.cache/flashspec``."""
     return Path(os.environ.get("FLASHSPEC_CACHE", Path.home() / ".cache" / "flashspec"))
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub answers (offline mode counts as unreachable)."""
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def fetch_demo_model(model: RegistryModel) -> str:

@@ -90,7 +90,7 @@ class SpeculativeEngine:
                     self._no_tokenizer = f"none could be loaded from {spec!r} ({error}); pass tokenizer=... to SpeculativeEngine"
         if not isinstance(target, PreTrainedModel):
             raise ValueError("target must be a transformers causal LM or a path / hub id / .gguf file.")
-        check_causal_lm(target, "target")
+        check_causal_lm(target, "target", known_causal=StaticLM.supports(target))
         self.target = target  # its training mode is switched only during a call (eval_mode)
         # Tensor parallelism (flashspec.parallel, SPEC.md §9): every rank runs this same loop;
         # the few places that must agree across ranks check self._tp.
@@ -177,7 +177,7 @@ class SpeculativeEngine:
             name = Path(spec).stem if spec.endswith(".gguf") else spec.rstrip("/").split("/")[-1]
             spec = load_model(spec, self.device, dtype)
         if isinstance(spec, PreTrainedModel):
-            check_causal_lm(spec, "drafter")
+            check_causal_lm(spec, "drafter", known_causal=StaticLM.supports(spec))
             return ModelDrafter(spec, self.vocab_size, name=name, compile=self.compile)
         if isinstance(spec, DatastoreDrafter) and spec.max_token >= self.vocab_size:
             raise ValueError(f"Drafter {spec.name!r} stores token id {spec.max_token}, but the target's vocabulary "

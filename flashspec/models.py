@@ -5,6 +5,8 @@ A model is given as a loaded transformers model, a local folder, a hub id or a `
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 
 __all__ = ["DTYPES", "load_model", "load_tokenizer", "context_window", "check_no_sliding_window", "check_causal_lm",
-           "eval_mode"]
+           "eval_mode", "hub_reachable"]
 
 # The precisions a command line may name.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -24,10 +26,35 @@ def _looks_like_a_path(spec: str) -> bool:
     return spec.startswith(("/", "./", "../", "~", "\\")) or spec.count("/") > 1 or "\\" in spec
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers (offline mode counts as unreachable)."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _hub_cached(spec: str) -> bool:
+    """Whether ``spec`` (a hub id) has a config in the local hub cache (usable offline)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(spec, "config.json"), str)
+    except Exception:  # noqa: BLE001 - a malformed id, an old huggingface_hub: not cached
+        return False
+
+
 def _split_gguf(spec: str) -> tuple[str, dict[str, Any]]:
     """``/dir/file.gguf`` → (``/dir``, ``{"gguf_file": "file.gguf"}``); other specs unchanged."""
-    if _looks_like_a_path(spec) and not Path(spec).expanduser().exists():
-        raise ValueError(f"Could not load a model from {spec!r}: no such folder or file (it does not exist).")
+    if not Path(spec).expanduser().exists():
+        if _looks_like_a_path(spec):
+            raise ValueError(f"Could not load a model from {spec!r}: no such folder or file (it does not exist).")
+        if not _hub_cached(spec) and not hub_reachable():  # fail now rather than after the hub's retries
+            raise ValueError(f"{spec!r} is neither a local folder or file nor, with the Hugging Face hub "
+                             "unreachable (or HF_HUB_OFFLINE=1), a model that can be fetched.")
     if spec.lower().endswith(".gguf"):
         path = Path(spec)
         if not path.is_file():
@@ -53,11 +80,34 @@ def load_model(spec: str, device: torch.device | str, dtype: torch.dtype) -> Any
     from transformers import AutoModelForCausalLM
 
     where, extra = _split_gguf(spec)
+    local = Path(spec).expanduser().exists()
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **extra)
     except OSError as error:
+        if local and _weight_files(spec):
+            raise ValueError(_corrupt(spec, error)) from None
         raise ValueError(f"Could not load a model from {spec!r}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - a local file that does not parse is corrupt or truncated
+        if "configuration class" in str(error):  # transformers: no causal-LM class for this config
+            raise ValueError(f"{spec!r} is not a causal language model (FlashSpec needs a decoder-only "
+                             f"causal LM): {str(error)[:300]}") from None
+        if not local:
+            raise
+        raise ValueError(_corrupt(spec, error)) from None
     return model.to(device).eval()
+
+
+def _weight_files(spec: str) -> list[Path]:
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.glob("*") if p.suffix in (".safetensors", ".bin", ".gguf", ".json"))
+
+
+def _corrupt(spec: str, error: BaseException) -> str:
+    files = ", ".join(str(p) for p in _weight_files(spec)) or spec
+    return (f"Could not load a model from {spec!r}: a file there looks corrupt or truncated ({files}); "
+            f"download or save it again. ({type(error).__name__}: {str(error)[:300]})")
 
 
 def load_tokenizer(spec: str) -> Any:
@@ -98,20 +148,35 @@ def check_no_sliding_window(config: Any, physical_length: int) -> None:
         )
 
 
-def check_causal_lm(model: Any, role: str) -> None:
-    """Refuse models that cannot continue a prompt token by token (encoders such as BERT,
-    encoder-decoders such as T5): FlashSpec needs a decoder-only causal LM."""
+def check_causal_lm(model: Any, role: str, known_causal: bool = False) -> None:
+    """Refuse models that cannot continue a prompt token by token (encoders such as BERT, also
+    when transformers wraps one as ``BertLMHeadModel``; encoder-decoders such as T5): FlashSpec
+    needs a decoder-only causal LM. Unless the architecture is ``known_causal``, one tiny forward
+    checks it: appending a token must not change the logits of the positions before it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"The {role} ({type(model).__name__}) is an encoder-decoder model; FlashSpec needs a "
                          "decoder-only causal language model (a *ForCausalLM class).")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     name = type(model).__name__
     known = name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() or name.endswith(("ForCausalLM", "LMHeadModel"))
     if not known and not getattr(config, "is_decoder", False):
-        raise ValueError(f"The {role} is a {type(model).__name__}, not a causal language model; load it with "
+        raise ValueError(f"The {role} is a {name}, not a causal language model; load it with "
                          "AutoModelForCausalLM (FlashSpec needs a decoder-only causal LM).")
+    if not known_causal and not _attends_causally(model):
+        raise ValueError(f"The {role} ({name}) is not a causal language model: appending a token changes the "
+                         "logits of earlier positions (an encoder such as BERT loaded as a language model?).")
+
+
+def _attends_causally(model: Any) -> bool:
+    ids = torch.arange(3, device=model.device)[None] % model.config.vocab_size
+    with torch.no_grad(), eval_mode(model):
+        short = model(ids[:, :2]).logits.float()
+        full = model(ids).logits.float()[:, :2]
+    dtype = next(model.parameters()).dtype
+    tolerance = 32 * torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps
+    return bool((short - full).abs().max() <= tolerance * (1 + short.abs().max()))  # rounding only
 
 
 @contextmanager

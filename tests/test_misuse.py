@@ -314,3 +314,51 @@ def test_building_and_using_an_engine_leaves_the_model_as_it_was(drafted):
     fresh.load_state_dict(model.state_dict())
     expected = SpeculativeEngine(fresh, []).generate([PROMPT], max_new_tokens=8, eos_token_id=[]).sequences
     assert engine.generate([PROMPT], max_new_tokens=8, eos_token_id=[]).sequences == expected
+
+
+# ------------------------------------------------------------------ 9. corrupt files
+@pytest.fixture
+def saved(tmp_path):
+    TARGET.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def test_a_truncated_safetensors_file_is_named_as_corrupt(saved):
+    weights = saved / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    with pytest.raises(ValueError, match=r"corrupt or truncated \(.*model\.safetensors"):
+        SpeculativeEngine(str(saved), [], device="cpu")
+
+
+def test_a_broken_config_is_named_as_corrupt(saved):
+    (saved / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        SpeculativeEngine(str(saved), [], device="cpu")
+
+
+@pytest.mark.parametrize("content", [b"GGUF" + bytes(range(256)) * 2, b""])
+def test_a_gguf_file_that_does_not_parse_is_named_as_corrupt(tmp_path, content):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"corrupt or truncated \(.*model\.gguf"):
+        SpeculativeEngine(str(path), [], device="cpu")
+
+
+def test_a_saved_encoder_is_refused_as_not_causal(tmp_path):
+    BertForMaskedLM(BERT).save_pretrained(tmp_path / "bert")
+    with pytest.raises(ValueError, match="not a causal language model"):
+        SpeculativeEngine(str(tmp_path / "bert"), [], device="cpu")
+
+
+@pytest.mark.parametrize("spec", ["ngramm", "Qwen/No-Such-Model-Here"])
+def test_a_hub_id_that_cannot_be_fetched_fails_at_once(spec, monkeypatch):
+    """Before: 'NGRAM' or a typo was taken for a hub id and retried for about 23 s."""
+    import flashspec.models
+
+    monkeypatch.setattr(flashspec.models, "hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(ValueError, match="neither a local folder or file"):
+        SpeculativeEngine(TARGET, [spec])
+    with pytest.raises(ValueError, match="neither a local folder or file"):
+        SpeculativeEngine(spec, [])
