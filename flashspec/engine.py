@@ -8,7 +8,6 @@ explicit :class:`~flashspec.loop.Plan`, and returned as a :class:`GenerationOutp
 
 from __future__ import annotations
 
-import numbers
 import threading
 from collections.abc import Hashable, Sequence
 from pathlib import Path
@@ -21,10 +20,9 @@ from .cache import StaticLM, make_lm
 from .drafters import DatastoreDrafter, Drafter, ModelDrafter, NgramDrafter
 from .graphs import Graphs
 from .loop import Plan, Workspace, commit_step, decode, workspace_shape
-from .request import MAX_DRAFT_TOKENS
 from .models import check_causal_lm, eval_mode, load_model, load_tokenizer
 from .parallel import tensor_parallel_of
-from .request import Request, parse_request
+from .request import Request, parse_engine_options, parse_request
 from .select import Selection, Selector
 from .stats import DrafterStats, GenerationOutput, GenerationStats
 
@@ -71,54 +69,28 @@ class SpeculativeEngine:
         dtype: torch.dtype | None = None,
         compile: bool = False,
     ) -> None:
-        for name, value in (("share_selector", share_selector), ("compile", compile)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False; got {value!r}.")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if dtype is None:
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self._no_tokenizer = "pass tokenizer= to SpeculativeEngine"  # why string prompts cannot work
-        if isinstance(target, (str, bytes)) or hasattr(target, "__fspath__"):
-            spec = str(target)
-            target = load_model(spec, self.device, dtype)
-            if tokenizer is None:  # token-id prompts need none: a folder without one is still a target
-                try:
-                    tokenizer = load_tokenizer(spec)
-                except ValueError as error:
-                    self._no_tokenizer = f"none could be loaded from {spec!r} ({error}); pass tokenizer=... to SpeculativeEngine"
-        if not isinstance(target, PreTrainedModel):
-            raise ValueError("target must be a transformers causal LM or a path / hub id / .gguf file.")
-        check_causal_lm(target, "target", known_causal=StaticLM.supports(target))
-        self.target = target  # its training mode is switched only during a call (eval_mode)
+        options = parse_engine_options(
+            drafters=drafters, gammas=gammas, selector_options=selector_options, share_selector=share_selector,
+            tokenizer=tokenizer, device=device, dtype=dtype, compile=compile)
+        self.device, self.compile = options.device, options.compile
+        self.target, self.tokenizer = self._load_target(target, tokenizer, options.dtype)
         # Tensor parallelism (flashspec.parallel, SPEC.md §9): every rank runs this same loop;
         # the few places that must agree across ranks check self._tp.
         self._tp = tensor_parallel_of(self.target)
-        self.vocab_size: int = target.config.vocab_size
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        if isinstance(drafters, (str, PreTrainedModel)) or isinstance(drafters, Drafter):
-            drafters = [drafters]
-        self.compile = bool(compile)
-        self.drafters: list[Drafter] = [self._as_drafter(d, dtype) for d in drafters]
+        self.vocab_size: int = self.target.config.vocab_size
+        self.drafters: list[Drafter] = [self._as_drafter(d, options.dtype) for d in options.drafters]
         names: set[str] = set()
         for i, d in enumerate(self.drafters):  # statistics are kept by name: make names unique
             if d.name in names:
                 d.name = f"{d.name}#{i}"
             names.add(d.name)
-        if gammas is not None:
-            gammas = list(gammas)
-            if not gammas or any(isinstance(g, bool) or not isinstance(g, numbers.Integral)
-                                 or not 1 <= g <= MAX_DRAFT_TOKENS for g in gammas):
-                raise ValueError(f"gammas must be a non-empty list of integers from 1 to {MAX_DRAFT_TOKENS}; "
-                                 f"got {gammas!r}.")
-            gammas = [int(g) for g in gammas]
+        gammas = options.gammas
         # Arms: (drafter index, γ or None for generate's num_draft_tokens).
         self.arms: list[tuple[int, int | None]] = [
             (d, g) for d in range(len(self.drafters)) for g in (gammas if gammas is not None else [None])
         ]
-        self.share_selector = bool(share_selector)
-        self.selection = self.new_selection(selector, **(selector_options or {}))
+        self.share_selector = options.share_selector
+        self.selection = self.new_selection(selector, **options.selector_options)
         self._target_lm = make_lm(self.target, compile=self.compile)
         static_on_gpu = isinstance(self._target_lm, StaticLM) and self.target.device.type == "cuda"
         self._graphs = Graphs(enabled=static_on_gpu)
@@ -135,6 +107,29 @@ class SpeculativeEngine:
         self.queue_ahead = self.device.type == "cuda"
         # One generate at a time: calls share the workspace, caches and graphs (SPEC.md §5).
         self._generating = threading.Lock()
+
+    def _load_target(self, target: Any, tokenizer: Any, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
+        """The target model (loaded when given as a path) and its tokenizer, if any can be had."""
+        self._no_tokenizer = "pass tokenizer= to SpeculativeEngine"  # why string prompts cannot work
+        if isinstance(target, (str, bytes)) or hasattr(target, "__fspath__"):
+            spec = target.decode() if isinstance(target, bytes) else str(target)
+            target = load_model(spec, self.device, dtype)
+            if tokenizer is None:  # token-id prompts need none: a folder without one is still a target
+                try:
+                    tokenizer = load_tokenizer(spec)
+                except ValueError as error:
+                    self._no_tokenizer = (f"none could be loaded from {spec!r} ({error}); "
+                                          "pass tokenizer=... to SpeculativeEngine")
+        if not isinstance(target, PreTrainedModel):
+            raise ValueError("target must be a transformers causal LM or a path / hub id / .gguf file.")
+        check_causal_lm(target, "target", known_causal=StaticLM.supports(target))
+        # The target's training mode is switched only during a call (eval_mode).
+        if isinstance(tokenizer, str):
+            try:
+                tokenizer = load_tokenizer(tokenizer)
+            except ValueError as error:
+                raise ValueError(f"Cannot use {tokenizer!r} as the tokenizer: {error}") from None
+        return target, tokenizer
 
     # ------------------------------------------------------------------ learning state
     def arm_label(self, arm: int, num_draft_tokens: int | None = None) -> str:
@@ -175,7 +170,10 @@ class SpeculativeEngine:
         name = None
         if isinstance(spec, str):
             name = Path(spec).stem if spec.endswith(".gguf") else spec.rstrip("/").split("/")[-1]
-            spec = load_model(spec, self.device, dtype)
+            try:
+                spec = load_model(spec, self.device, dtype)
+            except ValueError as error:
+                raise ValueError(f"Cannot use {spec!r} as a drafter: {error}") from None
         if isinstance(spec, PreTrainedModel):
             check_causal_lm(spec, "drafter", known_causal=StaticLM.supports(spec))
             return ModelDrafter(spec, self.vocab_size, name=name, compile=self.compile)

@@ -49,6 +49,8 @@ def _hub_cached(spec: str) -> bool:
 
 def _split_gguf(spec: str) -> tuple[str, dict[str, Any]]:
     """``/dir/file.gguf`` → (``/dir``, ``{"gguf_file": "file.gguf"}``); other specs unchanged."""
+    if not spec.strip():
+        raise ValueError("The model path or hub id is empty.")
     if not Path(spec).expanduser().exists():
         if _looks_like_a_path(spec):
             raise ValueError(f"Could not load a model from {spec!r}: no such folder or file (it does not exist).")

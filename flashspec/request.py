@@ -18,7 +18,8 @@ import torch
 from .models import check_no_sliding_window, context_window
 from .sampling import SamplingParams
 
-__all__ = ["MAX_DRAFT_TOKENS", "MAX_TOKENS_WITHOUT_WINDOW", "Request", "parse_request"]
+__all__ = ["MAX_DRAFT_TOKENS", "MAX_TOKENS_WITHOUT_WINDOW", "EngineOptions", "Request", "parse_engine_options",
+           "parse_request"]
 
 # γ beyond this never pays (acceptance of the i-th draft decays like α^i) and only allocates.
 MAX_DRAFT_TOKENS = 64
@@ -42,6 +43,79 @@ class Request:
     @property
     def longest(self) -> int:
         return max(len(r) for r in self.rows)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """``SpeculativeEngine``'s arguments other than the models, checked and normalised."""
+
+    drafters: list[Any]  # drafter specs, one per drafter
+    gammas: list[int] | None
+    selector_options: dict[str, Any]
+    share_selector: bool
+    device: torch.device
+    dtype: torch.dtype  # for models given as paths
+    compile: bool
+
+
+def parse_engine_options(
+    *, drafters: Any, gammas: Any, selector_options: Any, share_selector: Any, tokenizer: Any, device: Any,
+    dtype: Any, compile: Any,
+) -> EngineOptions:
+    """Check the constructor's arguments (before any model loads) and return them normalised."""
+    for name, value in (("share_selector", share_selector), ("compile", compile)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False; got {value!r}.")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device or its name ('cpu', 'cuda', 'cuda:1'); got {device!r}.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for, but this machine has no CUDA GPU that PyTorch can use.")
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        from .models import DTYPES
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be a torch dtype or one of {', '.join(DTYPES)}; got {dtype!r}.")
+        dtype = DTYPES[dtype]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch dtype (e.g. torch.bfloat16); got {dtype!r}.")
+    if selector_options is None:
+        selector_options = {}
+    if not isinstance(selector_options, dict) or not all(isinstance(k, str) for k in selector_options):
+        raise ValueError(f"selector_options must be a dict of option names to values; got {selector_options!r}.")
+    if tokenizer is not None and not isinstance(tokenizer, str) and not (
+            callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
+        raise ValueError(f"tokenizer must be a tokenizer (callable, with decode), a path or None; got {tokenizer!r}.")
+    return EngineOptions(_drafter_specs(drafters), _gammas(gammas), dict(selector_options), share_selector,
+                         device, dtype, compile)
+
+
+def _drafter_specs(drafters: Any) -> list[Any]:
+    """One drafter, or a list or tuple of them, as a list (strings and bytes are one drafter)."""
+    if isinstance(drafters, bytes):
+        raise ValueError(f"A drafter is a model, a path (str), 'ngram' or a Drafter; got bytes {drafters!r}.")
+    if isinstance(drafters, (list, tuple)):
+        return list(drafters)
+    if drafters is None or isinstance(drafters, (dict, set, numbers.Number)):
+        raise ValueError(f"drafters must be a drafter or a list of them (empty: target-only); got {drafters!r}.")
+    return [drafters]
+
+
+def _gammas(gammas: Any) -> list[int] | None:
+    if gammas is None:
+        return None
+    message = f"gammas must be a non-empty list of integers from 1 to {MAX_DRAFT_TOKENS}; got {gammas!r}."
+    if not isinstance(gammas, (list, tuple)) or not gammas:
+        raise ValueError(message)
+    ids = [_token_id(g) for g in gammas]
+    if any(g is None or not 1 <= g <= MAX_DRAFT_TOKENS for g in ids):
+        raise ValueError(message)
+    return ids
 
 
 def parse_request(
@@ -74,8 +148,11 @@ def parse_request(
     if sync_every is None:
         sync_every = 8 if device.type == "cuda" else 1
     sync_every = _integer(sync_every, "sync_every", minimum=1)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed must be an integer or None; got {seed!r}.")
+    if seed is not None and (_token_id(seed) is None or not -(2**63) <= seed < 2**64):
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None; got {seed!r}.")
+    seed = None if seed is None else _token_id(seed)
+    if not do_sample and (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)):
+        raise ValueError(f"temperature must be a number (greedy decoding ignores its value); got {temperature!r}.")
     vocab_size = target.config.vocab_size
     rows = prompt_rows(input_ids, attention_mask, tokenizer, vocab_size)
     eos = eos_ids(eos_token_id, target, vocab_size)

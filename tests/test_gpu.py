@@ -143,3 +143,55 @@ def test_new_request_shapes_after_captures_replace_graphs_cleanly():
     for prompts, n in [(PROMPTS[:1], 8), (PROMPTS, 24), ([PROMPTS[2] * 30], 40), (PROMPTS[1:], 300), (PROMPTS[:1], 8)]:
         out = engine.generate(prompts, max_new_tokens=n, eos_token_id=[])
         assert out.sequences == [hf_greedy(target, p, n) for p in prompts]
+
+
+# ------------------------------------------------------------------ misuse on the CUDA path (SPEC.md §5)
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
+def test_non_finite_logits_are_caught_inside_graph_replays(do_sample, drafter):
+    """The fault is noted inside the captured step and raised at a poll, with graphs replaying."""
+    target = tiny("llama", 0, torch.bfloat16)
+    drafters = {"model": [tiny("llama", 1, torch.bfloat16)], "ngram": ["ngram"], "none": []}[drafter]
+    engine = SpeculativeEngine(target, drafters)
+    kwargs = dict(max_new_tokens=40, num_draft_tokens=3, do_sample=do_sample, temperature=0.8, eos_token_id=[])
+    engine.generate(PROMPTS, **kwargs)  # capture the graphs first
+    with torch.no_grad():
+        saved = target.lm_head.weight[7].clone()
+        target.lm_head.weight[7] = float("nan")  # in place: the captured graphs read it
+    try:
+        with pytest.raises(ValueError, match=r"row \d+: the target's logits are not finite"):
+            engine.generate(PROMPTS, **kwargs)
+    finally:
+        with torch.no_grad():
+            target.lm_head.weight[7] = saved
+    assert len(engine.generate(PROMPTS, **kwargs).sequences[0]) == 40  # and the engine still works
+
+
+def test_drafted_ids_outside_the_vocabulary_never_reach_an_index_on_the_gpu():
+    """Before: a device-side assert (which ends the CUDA context) or a raw RuntimeError."""
+    from flashspec import Draft
+
+    class Wild:
+        name = "wild"
+
+        def begin(self, batch_size):
+            pass
+
+        def propose(self, history, num_tokens, params, uniforms):
+            return Draft(torch.full((history.tokens.shape[0], num_tokens), 10**6, device="cuda"), None)
+
+    target = tiny("llama", 0, torch.bfloat16)
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        SpeculativeEngine(target, [Wild()]).generate(PROMPTS, max_new_tokens=20, eos_token_id=[])
+    assert len(SpeculativeEngine(target, ["ngram"]).generate(PROMPTS, max_new_tokens=8).sequences) == len(PROMPTS)
+
+
+def test_the_users_model_keeps_its_parameters_on_the_gpu():
+    model = tiny("qwen2", 0, torch.bfloat16).train()
+    params = dict(model.named_parameters())
+    flags = {k: p.requires_grad for k, p in params.items()}
+    engine = SpeculativeEngine(model, ["ngram"])
+    engine.generate(PROMPTS, max_new_tokens=12)
+    after = dict(model.named_parameters())
+    assert all(after[k] is params[k] and after[k].requires_grad == flags[k] for k in params)
+    assert model.training
