@@ -301,8 +301,10 @@ class _Run:
         note_fault(ws.fault, ~torch.isfinite(logits).flatten(1).all(dim=1) & self.active, 1, ws.steps_taken)
         drawn = result.tokens.gather(1, result.num_accepted[:, None])[:, 0]  # the recovered or bonus token
         note_fault(ws.fault, (drawn < 0) & self.active, 2, ws.steps_taken)
+        # A faulty draw (-1) is committed as 0, so that steps queued before the poll raises never
+        # index with it (on CUDA, a device-side assert); the call fails at that poll.
         self.plan.commit_step(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos,
-                              result.tokens, result.num_accepted, ws.log, ws.steps_taken)
+                              result.tokens.clamp(min=0), result.num_accepted, ws.log, ws.steps_taken)
 
     def snapshot(self) -> _Snapshot:
         """Start reading the per-step log, the stop flag and the token count back to the host:

@@ -362,3 +362,14 @@ def test_a_hub_id_that_cannot_be_fetched_fails_at_once(spec, monkeypatch):
         SpeculativeEngine(TARGET, [spec])
     with pytest.raises(ValueError, match="neither a local folder or file"):
         SpeculativeEngine(spec, [])
+
+
+@pytest.mark.parametrize("drafters", [[], ["ngram"]])
+def test_a_fault_is_raised_even_when_steps_run_ahead_of_the_poll(drafters):
+    """With several steps between polls (CUDA's default, sync_every=8), the steps after a faulty
+    draw must not index with its id -1 before the poll raises (on CUDA: a device-side assert)."""
+    model = llama(seed=3)
+    engine = SpeculativeEngine(model, drafters)
+    _Poisoned(model, after=3)
+    with pytest.raises(ValueError, match="the target's logits are not finite"):
+        engine.generate([PROMPT], max_new_tokens=30, do_sample=True, temperature=0.8, eos_token_id=[], sync_every=8)
