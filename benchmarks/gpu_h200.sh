@@ -13,7 +13,7 @@ mkdir -p "$out"
 source benchmarks/h200_prepare.sh
 # Tests in 8 processes where pytest-xdist is installed (compiling kernel variants is most of their time).
 parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-python3 -m pytest -q -p no:cacheprovider $parallel tests/test_gpu.py tests/kernels/test_verify_triton.py tests/kernels/test_rope_kv.py tests/kernels/test_decode_linear.py tests/kernels/test_pdl.py 2>&1 | tail -4
+python3 -m pytest -q -p no:cacheprovider $parallel tests/test_gpu.py tests/test_misuse.py tests/kernels/test_verify_triton.py tests/kernels/test_rope_kv.py tests/kernels/test_decode_linear.py tests/kernels/test_pdl.py 2>&1 | tail -4
 python3 -m pytest -q -p no:cacheprovider $parallel tests/test_distribution.py -k cuda 2>&1 | tail -2
 python3 -m flashspec.cli bench gpu --target /tmp/models/target.gguf --draft /tmp/models/draft.gguf \
     --corpus device_carry/corpus --out "$out/gpu_h200"
