@@ -1,6 +1,7 @@
 """FlashSpec: exact speculative decoding for Hugging Face causal language models."""
 
-from .drafters import DatastoreDrafter, Draft, Drafter, History, ModelDrafter, NgramDrafter
+from .drafters import (DatastoreDrafter, Draft, Drafter, EarlyExitDrafter, FeatureDrafter, FeatureHead, History,
+                       ModelDrafter, NgramDrafter)
 from .engine import SpeculativeEngine
 from .select import Selection
 from .stats import GenerationOutput, GenerationStats
@@ -11,6 +12,9 @@ __all__ = [
     "Draft",
     "DatastoreDrafter",
     "Drafter",
+    "EarlyExitDrafter",
+    "FeatureDrafter",
+    "FeatureHead",
     "GenerationOutput",
     "GenerationStats",
     "History",

@@ -177,34 +177,44 @@ class StaticLM:
         start: torch.Tensor,
         real: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
+        layers: int | None = None,
+        hidden_out: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Feed ``tokens [B, q]`` at positions ``start[b] + j``; logits ``[B, q, V]``, or only the
         columns ``logits_at [B, m]``. ``real`` is accepted for interface parity and ignored:
-        a padding token writes a stale entry that is overwritten before any query can see it."""
+        a padding token writes a stale entry that is overwritten before any query can see it.
+        ``layers``: run only the first this many decoder layers (writing their cache entries),
+        then the final norm and the output head — an early exit (SPEC.md §11); None: all.
+        ``hidden_out [B, capacity, hidden]``: also write the last layer's output (before the
+        final norm) of every fed position there (for drafters that read the target's features).
+        ``embeds [B, q, hidden]``: feed these input vectors instead of ``tokens``' embeddings."""
         started = time.perf_counter()
-        compiled = self._compiled is not None and tokens.shape[1] <= self.COMPILED_WIDTHS
-        inputs = (self._compiled_inputs if compiled else self._inputs)(tokens, start)
+        width = (tokens if embeds is None else embeds).shape[1]
+        compiled = self._compiled is not None and width <= self.COMPILED_WIDTHS
+        inputs = (self._compiled_inputs if compiled else self._inputs)(tokens, start, embeds)
         if compiled:
-            logits = self._compiled(*inputs, logits_at)
-        elif tokens.is_cuda:
+            logits = self._compiled(*inputs, logits_at, layers, hidden_out)
+        elif inputs[0].is_cuda:
             # Prefills (and uncompiled decodes) on CUDA: SDPA without the cuDNN backend, which
             # plans each new query length afresh (SPEC.md §3; ≈ 50 ms per new prompt length on an
             # H200, docs/lab/NOTES.md, probe 9): every request's prompt length is usually new.
             with sdpa_kernel(_SDPA_BACKENDS):
-                logits = self._forward(*inputs, logits_at)
+                logits = self._forward(*inputs, logits_at, layers, hidden_out)
         else:
-            logits = self._forward(*inputs, logits_at)
+            logits = self._forward(*inputs, logits_at, layers, hidden_out)
         self.forward_seconds += time.perf_counter() - started
         return logits
 
-    def _inputs(self, tokens: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _inputs(self, tokens: torch.Tensor | None, start: torch.Tensor,
+                embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Embeddings, positions ``[B, q]`` and rotary tables ``cos, sin [B, q, D]`` of a forward.
         Compiled as a graph of its own, so its outputs are buffers every layer reads; inside the
         layers' graph inductor recomputes such cheap values for each opaque op that reads them
         (two small kernels per layer; SPEC.md §3)."""
-        width = tokens.shape[1]
-        positions = (start[:, None] + torch.arange(width, device=tokens.device)).clamp(max=self.capacity - 1)
-        x = self.base.embed_tokens(tokens)
+        x = self.base.embed_tokens(tokens) if embeds is None else embeds
+        width = x.shape[1]
+        positions = (start[:, None] + torch.arange(width, device=x.device)).clamp(max=self.capacity - 1)
         cos, sin = self.base.rotary_emb(x, positions)
         return x, positions, cos, sin
 
@@ -215,7 +225,7 @@ class StaticLM:
 
     def _forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        logits_at: torch.Tensor | None,
+        logits_at: torch.Tensor | None, layers: int | None = None, hidden_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch, width, _ = x.shape
         device = x.device
@@ -234,7 +244,7 @@ class StaticLM:
         if use_kernel and batch * width <= _LINEAR_ROWS and getattr(self.model, "_flashspec_tp", None) is None:
             fused = self.decode_maps if batch * width == 1 else self.decode_maps_wide
 
-        for i, layer in enumerate(self.base.layers):
+        for i, layer in enumerate(self.base.layers[:layers]):
             attn, mlp = layer.self_attn, layer.mlp
             if "qkv" in fused:
                 norm = layer.input_layernorm
@@ -273,6 +283,8 @@ class StaticLM:
                 x = decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x)
             else:
                 x = x + mlp.down_proj(h)
+        if hidden_out is not None:  # [B, capacity, hidden]: this forward's features at their positions
+            hidden_out.scatter_(1, positions[..., None].expand(-1, -1, x.shape[-1]), x.to(hidden_out.dtype))
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.model.lm_head(self.base.norm(x))

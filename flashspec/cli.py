@@ -1,4 +1,5 @@
-"""The ``flashspec`` command: one function per command (``generate``, ``demo``, ``bench ...``).
+"""The ``flashspec`` command: one function per command (``generate``, ``demo``, ``train-drafter``,
+``bench ...``).
 
 Each sub-parser names its function with ``set_defaults(run=...)``; :func:`main` calls it and
 turns a ``ValueError`` into a one-line error and exit code 2.
@@ -50,6 +51,28 @@ def _parser() -> argparse.ArgumentParser:
     # (BENCHMARKS.md), so the demo runs in bfloat16 everywhere.
     demo_parser.set_defaults(dtype="bfloat16", run=demo)
 
+    train = sub.add_parser("train-drafter", help="train a drafter made from the target (SPEC.md §11)")
+    train.add_argument("--target", required=True, help="folder, hub id or .gguf file")
+    train.add_argument("--kind", default="feature", choices=["feature"],
+                       help="feature: fc[target feature; next embedding] -> decoder layers -> the target's head")
+    train.add_argument("--data", action="append", required=True,
+                       help="a text file (.txt or .xz; repeatable): its first 90 %% trains, the next 5 %% "
+                            "estimates acceptance, the last 5 %% is never read")
+    train.add_argument("--out", required=True, help="folder for drafter.safetensors and drafter.json")
+    train.add_argument("--tokenizer", default=None, help="default: the target's")
+    train.add_argument("--layers", type=int, default=1, help="decoder layers of the drafter's own part")
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--batch", type=int, default=8, help="sequences per step")
+    train.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    train.add_argument("--lr-layers", type=float, default=5e-5)
+    train.add_argument("--lr-head", type=float, default=1e-4)
+    train.add_argument("--hard-labels", action="store_true", help="cross-entropy on the next token, not the target's law")
+    train.add_argument("--estimate-every", type=int, default=50, help="steps between acceptance estimates")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    train.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    train.set_defaults(run=train_drafter)
+
     add_bench_parsers(sub)
     return parser
 
@@ -81,6 +104,32 @@ def demo(args: argparse.Namespace) -> None:
     target, draft = demo_pair()
     engine, baseline = _load_pair(target, [draft], None, args.device, args.dtype)
     _complete(engine, baseline, args.prompt, args)
+
+
+def train_drafter(args: argparse.Namespace) -> None:
+    """Train a feature drafter for ``--target`` on ``--data`` and save it to ``--out``."""
+    from .engine import SpeculativeEngine
+    from .train import TrainOptions, read_text, save_drafter, token_chunks, train_feature_head
+
+    options = TrainOptions(layers=args.layers, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
+                           lr_layers=args.lr_layers, lr_head=args.lr_head, hard_labels=args.hard_labels,
+                           seed=args.seed, estimate_every=args.estimate_every)  # checked before loading
+    train_texts = [read_text(path, "train") for path in args.data]
+    estimate_texts = [read_text(path, "estimate") for path in args.data]
+    engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device,
+                               dtype=DTYPES[args.dtype] if args.dtype else None)
+    if engine.tokenizer is None:
+        raise ValueError("Training reads text: give --tokenizer (none could be loaded with the target).")
+    chunks = token_chunks(train_texts, engine.tokenizer, options.seq_len)
+    estimate = token_chunks(estimate_texts, engine.tokenizer, options.seq_len)[: 4 * options.batch]
+    print(f"training on {chunks.numel():,} tokens ({len(chunks)} sequences of {options.seq_len}); "
+          f"acceptance estimated on {estimate.numel():,}")
+    head, log = train_feature_head(engine.target, chunks, options, estimate=estimate)
+    out = save_drafter(head, engine.target, args.out, log)
+    last = log["estimates"][-1]["alpha1"] if log["estimates"] else float("nan")
+    print(f"saved {out} ({sum(p.numel() for p in head.parameters()):,} parameters) after {log['seconds']:.0f} s, "
+          f"{log['tokens']:,} tokens; final loss {log['loss'][-1]:.3f}, α₁ {last:.3f}; "
+          f"use it as --draft feature:{out}")
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -17,7 +17,11 @@ import torch
 from transformers import PreTrainedModel
 
 from .cache import StaticLM, make_lm
-from .drafters import DatastoreDrafter, Drafter, ModelDrafter, NgramDrafter
+from .drafters import DatastoreDrafter, Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter
+from .drafters.early_exit import PREFIX as EARLY_EXIT
+from .drafters.early_exit import parse_early_exit
+from .drafters.feature import PREFIX as FEATURE
+from .drafters.feature import FeatureDrafter
 from .graphs import Graphs
 from .loop import Plan, Workspace, commit_step, decode, workspace_shape
 from .models import check_causal_lm, eval_mode, load_model, load_tokenizer
@@ -35,7 +39,9 @@ class SpeculativeEngine:
     Args:
         target: a loaded transformers causal LM, or a local folder, hub id or ``.gguf`` file.
         drafters: a drafter or a list of them; each is a loaded model, a path / hub id /
-            ``.gguf`` file, ``"ngram"`` or a :class:`~flashspec.drafters.Drafter`. Empty means
+            ``.gguf`` file, ``"ngram"``, ``"early-exit:N"`` (the target's first N layers, SPEC.md
+            §11), ``"feature:DIR"`` (a trained feature drafter, ``flashspec train-drafter``) or a
+            :class:`~flashspec.drafters.Drafter`. Empty means
             plain target-only decoding through the same loop.
         selector: how an arm — a (drafter, γ) pair — is chosen each step: ``"fixed"`` (the
             first arm), ``"ucb1"``, ``"thompson"``, ``"discounted-ucb"``,
@@ -78,12 +84,16 @@ class SpeculativeEngine:
         # the few places that must agree across ranks check self._tp.
         self._tp = tensor_parallel_of(self.target)
         self.vocab_size: int = self.target.config.vocab_size
+        self._target_lm = make_lm(self.target, compile=self.compile)  # drafters made from the target use it
         self.drafters: list[Drafter] = [self._as_drafter(d, options.dtype) for d in options.drafters]
         names: set[str] = set()
         for i, d in enumerate(self.drafters):  # statistics are kept by name: make names unique
             if d.name in names:
                 d.name = f"{d.name}#{i}"
             names.add(d.name)
+        # The target's feature size where some drafter reads the target's features (SPEC.md §11).
+        wants = any(getattr(d, "uses_hidden_states", False) for d in self.drafters)
+        self._feature_size = self.target.config.hidden_size if wants else 0
         gammas = options.gammas
         # Arms: (drafter index, γ or None for generate's num_draft_tokens).
         self.arms: list[tuple[int, int | None]] = [
@@ -91,7 +101,6 @@ class SpeculativeEngine:
         ]
         self.share_selector = options.share_selector
         self.selection = self.new_selection(selector, **options.selector_options)
-        self._target_lm = make_lm(self.target, compile=self.compile)
         static_on_gpu = isinstance(self._target_lm, StaticLM) and self.target.device.type == "cuda"
         self._graphs = Graphs(enabled=static_on_gpu)
         # A step's bookkeeping after verification (commit, stop flags, log) is about 25 tiny
@@ -165,6 +174,20 @@ class SpeculativeEngine:
     def _as_drafter(self, spec: Any, dtype: torch.dtype) -> Drafter:
         if isinstance(spec, str) and spec == "ngram":
             return NgramDrafter()
+        if isinstance(spec, str) and spec.startswith(EARLY_EXIT):
+            if not isinstance(self._target_lm, StaticLM):
+                raise ValueError(f"{spec!r} needs a target that runs over FlashSpec's static cache "
+                                 f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
+            return EarlyExitDrafter(self._target_lm, parse_early_exit(spec, len(self._target_lm.base.layers)))
+        if isinstance(spec, str) and spec.startswith(FEATURE):
+            from .train import load_feature_head
+
+            if not isinstance(self._target_lm, StaticLM):
+                raise ValueError(f"{spec!r} needs a target that runs over FlashSpec's static cache "
+                                 f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
+            folder = spec[len(FEATURE):]
+            head = load_feature_head(folder, self.target)
+            return FeatureDrafter(self._target_lm, head, name=f"feature-{Path(folder).name or 'drafter'}")
         if isinstance(spec, str) and spec.strip().lower() == "ngram":
             raise ValueError(f"Unknown drafter {spec!r}: did you mean 'ngram'? (Drafter names are lower case.)")
         name = None
@@ -251,20 +274,20 @@ class SpeculativeEngine:
             labels=[self.arm_label(a, request.num_draft_tokens) for a in range(len(self.arms))],
             selector=self.selection.for_request(request.context),
             graphs=self._graphs,
-            workspace=self._workspace(workspace_shape(request, gamma)),
+            workspace=self._workspace(workspace_shape(request, gamma, self._feature_size)),
             commit_step=self._commit_step,
             tp=self._tp,
             queue_ahead=self.queue_ahead,
         )
 
-    def _workspace(self, shape: tuple[int, int, int, int]) -> Workspace:
+    def _workspace(self, shape: tuple[int, int, int, int, int]) -> Workspace:
         """The decode buffers for this shape: reused when it matches the last request (so are
         the captured graphs), replaced together with every graph when it does not."""
-        batch, capacity, _, _ = shape
+        batch, capacity = shape[:2]
         reallocated = self._target_lm.reset(batch, capacity)
         if reallocated or self._buffers is None or self._buffers.shape != shape:
             self._graphs.clear()
-            self._buffers = Workspace(*shape, self.target.device)
+            self._buffers = Workspace(*shape, self.target.device, dtype=self.target.dtype)
         return self._buffers
 
     def _output(self, sequences: list[list[int]], stats: GenerationStats) -> GenerationOutput:

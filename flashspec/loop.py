@@ -39,12 +39,13 @@ from .verify import verify
 __all__ = ["Plan", "Workspace", "decode", "commit_tokens", "commit_step", "workspace_shape"]
 
 
-def workspace_shape(request: Request, gamma: int) -> tuple[int, int, int, int]:
-    """``(batch, capacity, γ, EOS ids)`` of the buffers ``request`` needs with drafts of up to
-    ``gamma`` tokens: room for the longest row plus one step of drafts past its budget (never
-    committed), rounded up so that requests of similar sizes share buffers and graphs."""
+def workspace_shape(request: Request, gamma: int, hidden: int = 0) -> tuple[int, int, int, int, int]:
+    """``(batch, capacity, γ, EOS ids, hidden)`` of the buffers ``request`` needs with drafts of up
+    to ``gamma`` tokens: room for the longest row plus one step of drafts past its budget (never
+    committed), rounded up so that requests of similar sizes share buffers and graphs; ``hidden``:
+    the target's feature size where a drafter reads its features (0: none)."""
     capacity = -(-(request.longest + request.max_new_tokens + gamma + 2) // 256) * 256
-    return len(request.rows), capacity, gamma, max(len(request.eos), 1)
+    return len(request.rows), capacity, gamma, max(len(request.eos), 1), hidden
 
 
 class Workspace:
@@ -54,8 +55,9 @@ class Workspace:
     each request and replaced (with every graph) only when the batch, capacity or γ changes.
     """
 
-    def __init__(self, batch: int, capacity: int, gamma: int, num_eos: int, device: torch.device) -> None:
-        self.shape = (batch, capacity, gamma, num_eos)
+    def __init__(self, batch: int, capacity: int, gamma: int, num_eos: int, hidden: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.shape = (batch, capacity, gamma, num_eos, hidden)
         long = dict(dtype=torch.long, device=device)
         self.tokens = torch.zeros(batch, capacity, **long)
         self.prompt_length = torch.zeros(batch, **long)
@@ -72,6 +74,8 @@ class Workspace:
         self.log = torch.zeros(capacity + 1, 3, **long)
         self.steps_taken = torch.zeros((), **long)
         self.fault = torch.zeros(3, **long)  # the first fault: step + 1 (0: none), row, kind (FAULTS)
+        # The target's features at every fed position, for drafters that read them (SPEC.md §11).
+        self.hidden = torch.zeros(batch, capacity, hidden, dtype=dtype, device=device) if hidden else None
 
 
 # What a fault's kind means (Workspace.fault[2]).
@@ -190,6 +194,8 @@ class _Run:
         self.draft_uniforms = ws.random[:, : self.gamma]
         self.verify_uniforms = ws.random[:, self.gamma :]
         self.vocab_size: int = plan.target.model.config.vocab_size
+        # Target forwards also write their features where a drafter reads them (SPEC.md §11).
+        self._features = {} if ws.hidden is None else {"hidden_out": ws.hidden}
         self.chosen: list[int | None] = []  # host: the arm chosen at each step
         self.proposed: list[int] = []  # host: drafts per active row at each step
         self.clock = _StepClock(device)
@@ -203,7 +209,8 @@ class _Run:
         zeros = torch.zeros_like(self.length)
         width = self.max_length
         real = (torch.arange(width, device=self.tokens.device) < self.length[:, None]).long()
-        logits = self.plan.target.forward(self.tokens[:, :width], zeros, real, logits_at=(self.length - 1)[:, None])
+        logits = self.plan.target.forward(self.tokens[:, :width], zeros, real, logits_at=(self.length - 1)[:, None],
+                                          **self._features)
         finite = torch.isfinite(logits).flatten(1).all(dim=1)
         if not bool(finite.all()):  # the prefill reads back once anyway (its time is measured)
             row = int((~finite).long().argmax())
@@ -215,7 +222,7 @@ class _Run:
         commit_tokens(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos, result.tokens, zeros)
         self.max_length += 1
         # Drafters with a cache fill it now, so that no step pays for a pass over the prompt.
-        history = History(self.tokens, self.length, self.active, self.max_length)
+        history = History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden)
         for drafter in self.plan.drafters:
             prefill = getattr(drafter, "prefill", None)
             if prefill is not None:
@@ -249,7 +256,7 @@ class _Run:
         ws.random.uniform_(generator=self.rng)
         if arm is None:
             return False
-        history = History(self.tokens, self.length, self.active, self.max_length)
+        history = History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden)
         drafter = self.plan.drafters[self.plan.arm_drafters[arm]]
         draft = drafter.propose(history, k, self.params, self.draft_uniforms[:, :k])
         self._check_draft(drafter, draft, k)
@@ -295,7 +302,7 @@ class _Run:
         drafts = ws.draft_tokens[:, :k]
         pending = self.tokens.gather(1, (self.length - 1)[:, None])
         fed = torch.cat([pending, drafts], dim=1)
-        logits = self.plan.target.forward(fed, self.length - 1, self.active[:, None].expand_as(fed))
+        logits = self.plan.target.forward(fed, self.length - 1, self.active[:, None].expand_as(fed), **self._features)
         probs = ws.draft_probs[:, :k] if has_probs else None
         result = verify(logits, drafts, probs, self.params, self.verify_uniforms[:, : k + 1])
         note_fault(ws.fault, ~torch.isfinite(logits).flatten(1).all(dim=1) & self.active, 1, ws.steps_taken)

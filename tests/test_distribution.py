@@ -62,6 +62,23 @@ def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCaus
 TARGET = tiny_llama(0)
 
 
+def _feature_checkpoint() -> str:
+    """An untrained (seeded) feature drafter for TARGET, saved once: a drafter with p != q that
+    reads the target's features (SPEC.md §11)."""
+    import tempfile
+
+    from flashspec import FeatureHead
+    from flashspec.train import save_drafter
+
+    folder = tempfile.mkdtemp(prefix="flashspec-feature-")
+    torch.manual_seed(11)
+    save_drafter(FeatureHead(TARGET.config, 1), TARGET, folder)
+    return folder
+
+
+FEATURE = _feature_checkpoint()
+
+
 def exact_law(temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """P(x1, x2, x3) for every continuation, shape [V, V, V], by enumeration."""
     warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
@@ -126,6 +143,9 @@ DRAFTERS = {
     # deterministic from a fixed store (seeded random text over the vocabulary): one-hot q
     "store": lambda: DatastoreDrafter(torch.randint(0, TARGET.config.vocab_size, (400,),
                                                     generator=torch.Generator().manual_seed(3))),
+    "early-exit": lambda: "early-exit:1",  # the target's first layer, sharing its cache: p != q
+    "early-exit-all": lambda: "early-exit:2",  # every layer: p == q up to rounding
+    "feature": lambda: f"feature:{FEATURE}",  # reads the target's features: p != q
     "none": lambda: None,  # target-only decoding through the same loop
 }
 
@@ -142,6 +162,11 @@ CASES = [
     ("ngram", 0.5, 0, 1.0, 1),
     ("store", 0.8, 0, 0.9, 3),
     ("store", 1.3, 5, 1.0, 1),
+    ("early-exit", 0.7, 4, 0.9, 1),
+    ("early-exit", 1.3, 0, 1.0, 3),
+    ("early-exit-all", 0.6, 0, 0.8, 2),
+    ("feature", 0.8, 5, 0.9, 1),
+    ("feature", 1.2, 0, 1.0, 3),
     ("none", 0.7, 0, 0.9, 4),
 ]
 
@@ -152,9 +177,9 @@ def test_engine_samples_the_exact_target_law(drafter, temperature, top_k, top_p,
     samples, run_stats = run(DRAFTERS[drafter](), temperature, top_k, top_p, gamma, device=device)
     pvalue = chi_square_pvalue(samples, exact_law(temperature, top_k, top_p))
     assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: output law differs from the target's"
-    if drafter == "self":
+    if drafter in ("self", "early-exit-all"):
         assert run_stats.acceptance_rate > 0.99
-    if drafter in ("noisy", "independent", "ngram", "store"):
+    if drafter in ("noisy", "independent", "ngram", "store", "early-exit", "feature"):
         assert 0.0 < run_stats.acceptance_rate < 1.0  # both the accept and the reject paths ran
 
 

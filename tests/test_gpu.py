@@ -41,12 +41,32 @@ def hf_greedy(model, prompt, n):
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 
 
+def feature_checkpoint(target) -> str:
+    """An untrained (seeded) feature drafter for ``target``, saved (SPEC.md §11)."""
+    import tempfile
+
+    from flashspec import FeatureHead
+    from flashspec.train import save_drafter
+
+    folder = tempfile.mkdtemp(prefix="flashspec-feature-gpu-")
+    torch.manual_seed(3)
+    save_drafter(FeatureHead(target.config, 1), target, folder)
+    return folder
+
+
+def drafters_for(drafter: str, target, dtype=torch.float32) -> list:
+    arch = target.config.model_type
+    return {"model": lambda: [tiny(arch, 1, dtype)], "ngram": lambda: ["ngram"], "none": lambda: [],
+            "early-exit": lambda: ["early-exit:1"], "early-exit-all": lambda: ["early-exit:2"],
+            "feature": lambda: [f"feature:{feature_checkpoint(target)}"]}[drafter]()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("gamma", [1, 4])
-@pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit", "early-exit-all", "feature", "none"])
 def test_graphs_greedy_matches_hf_generate_float32(arch, gamma, drafter):
     target = tiny(arch, 0)
-    drafters = {"model": [tiny(arch, 1)], "ngram": ["ngram"], "none": []}[drafter]
+    drafters = drafters_for(drafter, target)
     engine = SpeculativeEngine(target, drafters)
     assert isinstance(engine._target_lm, StaticLM) and engine._graphs.enabled
     out = engine.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=gamma, eos_token_id=[])
@@ -73,13 +93,13 @@ def test_graph_replays_equal_eager_steps(do_sample):
     assert a == b == c
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit", "feature", "none"])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(do_sample=True, temperature=0.7),
                                     SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, top_k=20)])
 def test_steady_state_steps_do_not_synchronise(drafter, params):
     """After warm-up (capture), a decode step issues no device-to-host synchronisation."""
     target = tiny("llama", 0, torch.bfloat16)
-    drafters = {"model": [tiny("llama", 1, torch.bfloat16)], "ngram": ["ngram"], "none": []}[drafter]
+    drafters = drafters_for(drafter, target, torch.bfloat16)
     engine = SpeculativeEngine(target, drafters)
     stats = _steps_without_synchronising(engine, params, gamma=4, steps=8)
     assert stats.steps == 11

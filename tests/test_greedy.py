@@ -16,10 +16,11 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import flashspec
+from flashspec.cache import StaticLM
 from tiny_models import ARCHITECTURES, CONTEXT, noisy_copy, tiny_model
 
 VOCAB = 128
@@ -33,7 +34,7 @@ PROMPTS = (
     (3, 8, 3, 8, 3, 8, 3),
     (40, 41, 42, 43, 40, 41, 42, 43, 40, 41, 42, 43),
 )
-DRAFTERS = ("model", "ngram", "self", "none")
+DRAFTERS = ("model", "ngram", "self", "early-exit", "feature", "none")
 GAMMAS = (1, 4)
 NOISE = 0.05  # relative weight noise of the model drafter: accepts about half its drafts
 
@@ -56,16 +57,33 @@ def target_model(arch: str):
 
 
 @functools.lru_cache(maxsize=None)
+def feature_checkpoint(arch: str) -> str:
+    """An untrained (seeded) feature drafter for the architecture's target, saved once."""
+    import tempfile
+
+    from flashspec.train import save_drafter
+
+    folder = tempfile.mkdtemp(prefix=f"flashspec-feature-{arch}-")
+    torch.manual_seed(ARCHITECTURES.index(arch))
+    save_drafter(flashspec.FeatureHead(target_model(arch).config, 1), target_model(arch), folder)
+    return folder
+
+
+@functools.lru_cache(maxsize=None)
 def noisy_drafter(arch: str):
     return noisy_copy(target_model(arch), NOISE, seed=1000 + ARCHITECTURES.index(arch))
 
 
 def make_engine(arch: str, drafter: str) -> flashspec.SpeculativeEngine:
     target = target_model(arch)
+    if drafter in ("early-exit", "feature") and not StaticLM.supports(target):
+        pytest.skip("drafters made from the target run over the static cache (Llama, Qwen2, Qwen3, Mistral)")
     drafters = {
         "model": lambda: noisy_drafter(arch),  # an independent model: agrees often, not always
         "ngram": lambda: "ngram",
         "self": lambda: target,  # drafter == target: every draft must be accepted
+        "early-exit": lambda: "early-exit:1",  # the target's first layer, sharing its cache (SPEC §11)
+        "feature": lambda: f"feature:{feature_checkpoint(arch)}",  # untrained: reads the target's features
         "none": lambda: [],  # target-only decoding through the same loop
     }[drafter]()
     return flashspec.SpeculativeEngine(target, drafters, device="cpu")
@@ -310,6 +328,7 @@ def test_row_ending_at_the_context_window(arch, drafter):
     ),
 )
 def test_random_batches_match_hf_generate(arch, drafter, gamma, max_new_tokens, layout, prompts):
+    assume(drafter not in ("early-exit", "feature") or StaticLM.supports(target_model(arch)))  # static cache
     engine = make_engine(arch, drafter)
     got, _ = run(engine, layout, prompts, max_new_tokens=max_new_tokens, num_draft_tokens=gamma, eos_token_id=[])
     expected = [hf_greedy(arch, p, NEW_TOKENS)[:max_new_tokens] for p in prompts]

@@ -1,0 +1,191 @@
+"""A drafter that reads the target's own features (EAGLE family, SPEC.md §11).
+
+At position ``t`` its input is ``fc([f_{t-1}; e_t])``: the target's last-layer feature (its last
+decoder layer's output, before the final norm) at the previous position, and the embedding of
+the token at ``t``. One trained decoder layer of the target's own architecture follows, then the
+target's final norm and output head (shared, not copied). The layer's output is the predicted
+feature at ``t``; the head turns it into the law of the token at ``t + 1``, and the next draft
+feeds that predicted feature back in.
+
+The engine hands the target's features of committed positions over in ``History.hidden``,
+written by the target's own forwards (prefill and verification) with no host synchronisation.
+The drafter keeps a cache for its one layer. Before each proposal it feeds again every position
+whose true feature it has not yet seen (the drafts it fed last time used predicted ones).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cache import StaticLM
+from ..graphs import Graphs
+from ..sampling import SamplingParams, probabilities, sample
+from .base import Draft, History
+
+__all__ = ["FeatureHead", "FeatureDrafter"]
+
+PREFIX = "feature:"
+
+
+class FeatureHead(nn.Module):
+    """The trainable part: ``fc`` (2·hidden → hidden) and ``layers`` decoder layers of the target's
+    architecture. :meth:`draft_model` wraps it with the target's embedding, final norm, rotary
+    embedding and head, shared by reference, as a transformers model of the target's class."""
+
+    def __init__(self, config: Any, layers: int = 1) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.config = copy.deepcopy(config)
+        self.config.num_hidden_layers = layers
+        if hasattr(self.config, "layer_types") and self.config.layer_types is not None:
+            self.config.layer_types = self.config.layer_types[:layers]
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layers = nn.ModuleList(_decoder_layer(self.config, i) for i in range(layers))
+
+    def draft_model(self, target: nn.Module) -> nn.Module:
+        """A model of the target's class whose decoder layers are this head's and whose embedding,
+        final norm, rotary embedding and output head are the target's own modules."""
+        with torch.device("meta"):
+            model = type(target)(self.config)
+        model.model.layers = self.layers
+        model.model.embed_tokens = target.model.embed_tokens
+        model.model.norm = target.model.norm
+        model.model.rotary_emb = target.model.rotary_emb
+        model.lm_head = target.lm_head
+        model.generation_config = target.generation_config
+        return model.eval()
+
+    def inputs(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """``fc([f_{t-1}; e_t])`` for ``features, embeddings [B, q, hidden]``."""
+        return self.fc(torch.cat([features, embeddings], dim=-1))
+
+
+def _decoder_layer(config: Any, index: int) -> nn.Module:
+    """A decoder layer of ``config``'s architecture (the class transformers' model uses)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        probe = AutoModelForCausalLM.from_config(config)
+    cls = type(probe.model.layers[0])
+    return cls(config, index)
+
+
+class FeatureDrafter:
+    """Drafts with a :class:`FeatureHead` over the target's features (SPEC.md §11).
+
+    Args:
+        target: the target behind FlashSpec's static cache (its embedding, norm and head are used).
+        head: the trained part, on the target's device and dtype.
+        name: the drafter's name in statistics (default ``"feature"``).
+    """
+
+    uses_hidden_states = True  # the engine fills History.hidden
+    MIN_WINDOW = 4  # the narrowest re-fed width (a handful of widths means a handful of graphs)
+
+    def __init__(self, target: StaticLM, head: FeatureHead, name: str | None = None) -> None:
+        if not isinstance(target, StaticLM):
+            raise ValueError("A feature drafter needs a target that runs over FlashSpec's static cache "
+                             f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
+        if head.config.hidden_size != target.model.config.hidden_size:
+            raise ValueError(f"This feature drafter was made for hidden size {head.config.hidden_size}; the "
+                             f"target's is {target.model.config.hidden_size}.")
+        self.target, self.head = target, head
+        self.name = name or "feature"
+        self.lm = StaticLM(head.draft_model(target.model))
+        device = next(target.model.parameters()).device
+        self._graphs = Graphs(enabled=device.type == "cuda")
+        self._graph_inputs: tuple[int, ...] = ()
+        self._features: torch.Tensor | None = None  # [B, capacity, hidden]: the drafter's own outputs
+        self._fed_through: int | None = None  # History.max_length when the last proposal began
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.lm.forward_seconds
+
+    def begin(self, batch_size: int) -> None:
+        self._fed_through = None
+
+    def _start(self, history: History) -> None:
+        batch, capacity = history.tokens.shape
+        if self.lm.reset(batch, capacity) or self._features is None or self._features.shape[:2] != (batch, capacity):
+            self._graphs.clear()
+            hidden = self.head.config.hidden_size
+            self._features = torch.zeros(batch, capacity, hidden, dtype=self.head.fc.weight.dtype,
+                                         device=history.tokens.device)
+
+    def prefill(self, history: History) -> None:
+        """Feed the pairs of every committed position but the pending one (the prompt), during the
+        request's prefill, so that the first proposal feeds one position only."""
+        self._start(history)
+        bound = history.length_bound()
+        if bound > 1:
+            zeros = torch.zeros_like(history.length)
+            self._feed(history, zeros, bound - 1, zeros[:, None])
+        self._fed_through = bound - 1
+
+    def _window(self, history: History) -> int:
+        """How many trailing committed positions to feed: every one whose true feature this
+        drafter has not yet seen (SPEC.md §11), at least MIN_WINDOW, rounded up to a power of two."""
+        bound = history.length_bound()
+        if self._fed_through is None:
+            return bound
+        unseen = max(1, bound - self._fed_through + 1)
+        return min(bound, max(self.MIN_WINDOW, 1 << (unseen - 1).bit_length()))
+
+    def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
+        if history.hidden is None:
+            raise ValueError("A feature drafter needs the target's features (History.hidden): use it through "
+                             "SpeculativeEngine, which provides them.")
+        first = self._fed_through is None
+        if first:
+            self._start(history)
+        active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
+        inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, history.hidden, active, uniforms,
+                                              self._features))
+        if inputs != self._graph_inputs:
+            self._graphs.clear()
+            self._graph_inputs = inputs
+        window = self._window(history)
+        self._fed_through = history.length_bound()
+        key = None if first else (window, num_tokens, params)
+        tokens, probs = self._graphs.run(key, lambda: self._draft(history, window, num_tokens, params, uniforms))
+        return Draft(tokens, probs)
+
+    def _feed(self, history: History, start: torch.Tensor, width: int, logits_at: torch.Tensor | None) -> torch.Tensor:
+        """Feed the pairs ``(f_{t-1}, e_t)`` of positions ``start[b] … start[b] + width − 1``."""
+        tokens, hidden = history.tokens, history.hidden
+        capacity = tokens.shape[1]
+        index = (start[:, None] + torch.arange(width, device=start.device)).clamp(max=capacity - 1)
+        token = tokens.gather(1, index)
+        previous = hidden.gather(1, (index - 1).clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
+        previous = torch.where((index > 0)[..., None], previous, torch.zeros_like(previous))
+        x = self.head.inputs(previous.to(self._features.dtype), self.lm.base.embed_tokens(token))
+        return self.lm.forward(None, start, embeds=x, logits_at=logits_at, hidden_out=self._features)
+
+    def _draft(self, history: History, window: int, num_tokens: int, params: SamplingParams,
+               uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pure tensor code (no host reads), so it can be captured as a graph."""
+        length = history.length
+        start = (length - window).clamp(min=0)
+        logits = self._feed(history, start, window, (length - 1 - start)[:, None])[:, 0]
+        hidden = self._features.shape[-1]
+        drafted, laws = [], []
+        for i in range(num_tokens):
+            if params.do_sample:
+                q = probabilities(logits, params)
+                token = sample(q, uniforms[:, i])
+                laws.append(q)
+            else:
+                token = logits.float().argmax(dim=-1)
+            drafted.append(token)
+            if i + 1 < num_tokens:
+                at = (length - 1 + i).clamp(max=self._features.shape[1] - 1)
+                feature = self._features.gather(1, at[:, None, None].expand(-1, 1, hidden))  # predicted f at t
+                x = self.head.inputs(feature, self.lm.base.embed_tokens(token[:, None]))
+                logits = self.lm.forward(None, length + i, embeds=x, hidden_out=self._features)[:, 0]
+        probs = torch.stack(laws, dim=1) if laws else None
+        return torch.stack(drafted, dim=1), probs
