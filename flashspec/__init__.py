@@ -1,7 +1,7 @@
 """FlashSpec: exact speculative decoding for Hugging Face causal language models."""
 
 from .drafters import (DatastoreDrafter, Draft, Drafter, EarlyExitDrafter, FeatureDrafter, FeatureHead, History,
-                       ModelDrafter, NgramDrafter)
+                       ModelDrafter, NgramDrafter, ShallowDrafter, ShallowHead)
 from .engine import SpeculativeEngine
 from .select import Selection
 from .stats import GenerationOutput, GenerationStats
@@ -21,6 +21,8 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter",
     "SamplingParams",
+    "ShallowDrafter",
+    "ShallowHead",
     "Selection",
     "SpeculativeEngine",
     "VerifyResult",

@@ -178,31 +178,34 @@ class StaticLM:
         real: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
         layers: int | None = None,
-        hidden_out: torch.Tensor | None = None,
+        hidden_out: dict[int, torch.Tensor] | None = None,
         embeds: torch.Tensor | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
         """Feed ``tokens [B, q]`` at positions ``start[b] + j``; logits ``[B, q, V]``, or only the
         columns ``logits_at [B, m]``. ``real`` is accepted for interface parity and ignored:
         a padding token writes a stale entry that is overwritten before any query can see it.
         ``layers``: run only the first this many decoder layers (writing their cache entries),
         then the final norm and the output head — an early exit (SPEC.md §11); None: all.
-        ``hidden_out [B, capacity, hidden]``: also write the last layer's output (before the
-        final norm) of every fed position there (for drafters that read the target's features).
-        ``embeds [B, q, hidden]``: feed these input vectors instead of ``tokens``' embeddings."""
+        ``hidden_out {n: [B, capacity, hidden]}``: also write the output of the first ``n`` layers
+        (for ``n`` = all of them: before the final norm) of every fed position there, for drafters
+        that read the target's features (SPEC.md §11). ``embeds [B, q, hidden]``: feed these input
+        vectors instead of ``tokens``' embeddings. ``head=False``: return the last layer run's
+        output (before the final norm) instead of logits."""
         started = time.perf_counter()
         width = (tokens if embeds is None else embeds).shape[1]
         compiled = self._compiled is not None and width <= self.COMPILED_WIDTHS
         inputs = (self._compiled_inputs if compiled else self._inputs)(tokens, start, embeds)
         if compiled:
-            logits = self._compiled(*inputs, logits_at, layers, hidden_out)
+            logits = self._compiled(*inputs, logits_at, layers, hidden_out, head)
         elif inputs[0].is_cuda:
             # Prefills (and uncompiled decodes) on CUDA: SDPA without the cuDNN backend, which
             # plans each new query length afresh (SPEC.md §3; ≈ 50 ms per new prompt length on an
             # H200, docs/lab/NOTES.md, probe 9): every request's prompt length is usually new.
             with sdpa_kernel(_SDPA_BACKENDS):
-                logits = self._forward(*inputs, logits_at, layers, hidden_out)
+                logits = self._forward(*inputs, logits_at, layers, hidden_out, head)
         else:
-            logits = self._forward(*inputs, logits_at, layers, hidden_out)
+            logits = self._forward(*inputs, logits_at, layers, hidden_out, head)
         self.forward_seconds += time.perf_counter() - started
         return logits
 
@@ -225,7 +228,8 @@ class StaticLM:
 
     def _forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        logits_at: torch.Tensor | None, layers: int | None = None, hidden_out: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None, layers: int | None = None,
+        hidden_out: dict[int, torch.Tensor] | None = None, head: bool = True,
     ) -> torch.Tensor:
         batch, width, _ = x.shape
         device = x.device
@@ -283,11 +287,12 @@ class StaticLM:
                 x = decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x)
             else:
                 x = x + mlp.down_proj(h)
-        if hidden_out is not None:  # [B, capacity, hidden]: this forward's features at their positions
-            hidden_out.scatter_(1, positions[..., None].expand(-1, -1, x.shape[-1]), x.to(hidden_out.dtype))
+            if hidden_out is not None and i + 1 in hidden_out:  # the features after layer i, at their positions
+                out_buffer = hidden_out[i + 1]
+                out_buffer.scatter_(1, positions[..., None].expand(-1, -1, x.shape[-1]), x.to(out_buffer.dtype))
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        return self.model.lm_head(self.base.norm(x))
+        return self.model.lm_head(self.base.norm(x)) if head else x
 
 
 def _sixteen_bit(model: PreTrainedModel) -> bool:

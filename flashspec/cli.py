@@ -53,14 +53,19 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train-drafter", help="train a drafter made from the target (SPEC.md §11)")
     train.add_argument("--target", required=True, help="folder, hub id or .gguf file")
-    train.add_argument("--kind", default="feature", choices=["feature"],
-                       help="feature: fc[target feature; next embedding] -> decoder layers -> the target's head")
+    train.add_argument("--kind", default="feature", choices=["feature", "shallow"],
+                       help="feature: fc[target feature; next embedding] -> decoder layers -> the target's head; "
+                            "shallow: the target's first layers -> adapter layers -> MLP -> the target's head")
     train.add_argument("--data", action="append", required=True,
                        help="a text file (.txt or .xz; repeatable): its first 90 %% trains, the next 5 %% "
                             "estimates acceptance, the last 5 %% is never read")
     train.add_argument("--out", required=True, help="folder for drafter.safetensors and drafter.json")
     train.add_argument("--tokenizer", default=None, help="default: the target's")
-    train.add_argument("--layers", type=int, default=1, help="decoder layers of the drafter's own part")
+    train.add_argument("--layers", type=int, default=None,
+                       help="decoder layers of the drafter's own part (default: 1 feature, 2 shallow adapters)")
+    train.add_argument("--shared-layers", type=int, default=None,
+                       help="shallow: the target's layers it shares (default: a quarter of them)")
+    train.add_argument("--head-width", type=int, default=None, help="shallow: the MLP's width (default: hidden size)")
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--batch", type=int, default=8, help="sequences per step")
     train.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
@@ -107,11 +112,12 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def train_drafter(args: argparse.Namespace) -> None:
-    """Train a feature drafter for ``--target`` on ``--data`` and save it to ``--out``."""
+    """Train a drafter made from ``--target`` on ``--data`` and save it to ``--out``."""
     from .engine import SpeculativeEngine
-    from .train import TrainOptions, read_text, save_drafter, token_chunks, train_feature_head
+    from .train import TrainOptions, read_text, save_drafter, token_chunks, train_head
 
-    options = TrainOptions(layers=args.layers, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
+    layers = args.layers if args.layers is not None else (1 if args.kind == "feature" else 2)
+    options = TrainOptions(layers=layers, shared_layers=args.shared_layers, head_width=args.head_width, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
                            lr_layers=args.lr_layers, lr_head=args.lr_head, hard_labels=args.hard_labels,
                            seed=args.seed, estimate_every=args.estimate_every)  # checked before loading
     train_texts = [read_text(path, "train") for path in args.data]
@@ -124,12 +130,12 @@ def train_drafter(args: argparse.Namespace) -> None:
     estimate = token_chunks(estimate_texts, engine.tokenizer, options.seq_len)[: 4 * options.batch]
     print(f"training on {chunks.numel():,} tokens ({len(chunks)} sequences of {options.seq_len}); "
           f"acceptance estimated on {estimate.numel():,}")
-    head, log = train_feature_head(engine.target, chunks, options, estimate=estimate)
+    head, log = train_head(args.kind, engine.target, chunks, options, estimate=estimate)
     out = save_drafter(head, engine.target, args.out, log)
     last = log["estimates"][-1]["alpha1"] if log["estimates"] else float("nan")
     print(f"saved {out} ({sum(p.numel() for p in head.parameters()):,} parameters) after {log['seconds']:.0f} s, "
           f"{log['tokens']:,} tokens; final loss {log['loss'][-1]:.3f}, α₁ {last:.3f}; "
-          f"use it as --draft feature:{out}")
+          f"use it as --draft {args.kind}:{out}")
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -22,6 +22,8 @@ from .drafters.early_exit import PREFIX as EARLY_EXIT
 from .drafters.early_exit import parse_early_exit
 from .drafters.feature import PREFIX as FEATURE
 from .drafters.feature import FeatureDrafter
+from .drafters.shallow import PREFIX as SHALLOW
+from .drafters.shallow import ShallowDrafter
 from .graphs import Graphs
 from .loop import Plan, Workspace, commit_step, decode, workspace_shape
 from .models import check_causal_lm, eval_mode, load_model, load_tokenizer
@@ -40,8 +42,8 @@ class SpeculativeEngine:
         target: a loaded transformers causal LM, or a local folder, hub id or ``.gguf`` file.
         drafters: a drafter or a list of them; each is a loaded model, a path / hub id /
             ``.gguf`` file, ``"ngram"``, ``"early-exit:N"`` (the target's first N layers, SPEC.md
-            §11), ``"feature:DIR"`` (a trained feature drafter, ``flashspec train-drafter``) or a
-            :class:`~flashspec.drafters.Drafter`. Empty means
+            §11), ``"feature:DIR"`` or ``"shallow:DIR"`` (trained drafters made from the target,
+            ``flashspec train-drafter``) or a :class:`~flashspec.drafters.Drafter`. Empty means
             plain target-only decoding through the same loop.
         selector: how an arm — a (drafter, γ) pair — is chosen each step: ``"fixed"`` (the
             first arm), ``"ucb1"``, ``"thompson"``, ``"discounted-ucb"``,
@@ -91,9 +93,9 @@ class SpeculativeEngine:
             if d.name in names:
                 d.name = f"{d.name}#{i}"
             names.add(d.name)
-        # The target's feature size where some drafter reads the target's features (SPEC.md §11).
-        wants = any(getattr(d, "uses_hidden_states", False) for d in self.drafters)
-        self._feature_size = self.target.config.hidden_size if wants else 0
+        # The layer counts after which drafters read the target's features (SPEC.md §11).
+        self._feature_layers = tuple(sorted({d.feature_layer for d in self.drafters
+                                             if getattr(d, "uses_hidden_states", False)}))
         gammas = options.gammas
         # Arms: (drafter index, γ or None for generate's num_draft_tokens).
         self.arms: list[tuple[int, int | None]] = [
@@ -179,15 +181,16 @@ class SpeculativeEngine:
                 raise ValueError(f"{spec!r} needs a target that runs over FlashSpec's static cache "
                                  f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
             return EarlyExitDrafter(self._target_lm, parse_early_exit(spec, len(self._target_lm.base.layers)))
-        if isinstance(spec, str) and spec.startswith(FEATURE):
-            from .train import load_feature_head
+        if isinstance(spec, str) and spec.startswith((FEATURE, SHALLOW)):
+            from .train import load_head
 
+            kind, folder = spec.split(":", 1)
             if not isinstance(self._target_lm, StaticLM):
                 raise ValueError(f"{spec!r} needs a target that runs over FlashSpec's static cache "
                                  f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
-            folder = spec[len(FEATURE):]
-            head = load_feature_head(folder, self.target)
-            return FeatureDrafter(self._target_lm, head, name=f"feature-{Path(folder).name or 'drafter'}")
+            head = load_head(folder, self.target, kind)
+            cls = FeatureDrafter if kind == "feature" else ShallowDrafter
+            return cls(self._target_lm, head, name=f"{kind}-{Path(folder).name or 'drafter'}")
         if isinstance(spec, str) and spec.strip().lower() == "ngram":
             raise ValueError(f"Unknown drafter {spec!r}: did you mean 'ngram'? (Drafter names are lower case.)")
         name = None
@@ -274,13 +277,14 @@ class SpeculativeEngine:
             labels=[self.arm_label(a, request.num_draft_tokens) for a in range(len(self.arms))],
             selector=self.selection.for_request(request.context),
             graphs=self._graphs,
-            workspace=self._workspace(workspace_shape(request, gamma, self._feature_size)),
+            workspace=self._workspace(workspace_shape(request, gamma, self.target.config.hidden_size,
+                                                      self._feature_layers)),
             commit_step=self._commit_step,
             tp=self._tp,
             queue_ahead=self.queue_ahead,
         )
 
-    def _workspace(self, shape: tuple[int, int, int, int, int]) -> Workspace:
+    def _workspace(self, shape: tuple[Any, ...]) -> Workspace:
         """The decode buffers for this shape: reused when it matches the last request (so are
         the captured graphs), replaced together with every graph when it does not."""
         batch, capacity = shape[:2]

@@ -39,13 +39,15 @@ from .verify import verify
 __all__ = ["Plan", "Workspace", "decode", "commit_tokens", "commit_step", "workspace_shape"]
 
 
-def workspace_shape(request: Request, gamma: int, hidden: int = 0) -> tuple[int, int, int, int, int]:
-    """``(batch, capacity, γ, EOS ids, hidden)`` of the buffers ``request`` needs with drafts of up
-    to ``gamma`` tokens: room for the longest row plus one step of drafts past its budget (never
-    committed), rounded up so that requests of similar sizes share buffers and graphs; ``hidden``:
-    the target's feature size where a drafter reads its features (0: none)."""
+def workspace_shape(request: Request, gamma: int, hidden: int = 0,
+                    feature_layers: tuple[int, ...] = ()) -> tuple[Any, ...]:
+    """``(batch, capacity, γ, EOS ids, hidden, feature layers)`` of the buffers ``request`` needs
+    with drafts of up to ``gamma`` tokens: room for the longest row plus one step of drafts past its
+    budget (never committed), rounded up so that requests of similar sizes share buffers and graphs;
+    ``hidden`` and ``feature_layers``: the target's feature size and the layer counts after which
+    drafters read its features (SPEC.md §11; none: no feature buffers)."""
     capacity = -(-(request.longest + request.max_new_tokens + gamma + 2) // 256) * 256
-    return len(request.rows), capacity, gamma, max(len(request.eos), 1), hidden
+    return len(request.rows), capacity, gamma, max(len(request.eos), 1), hidden, tuple(feature_layers)
 
 
 class Workspace:
@@ -55,9 +57,9 @@ class Workspace:
     each request and replaced (with every graph) only when the batch, capacity or γ changes.
     """
 
-    def __init__(self, batch: int, capacity: int, gamma: int, num_eos: int, hidden: int, device: torch.device,
-                 dtype: torch.dtype = torch.float32) -> None:
-        self.shape = (batch, capacity, gamma, num_eos, hidden)
+    def __init__(self, batch: int, capacity: int, gamma: int, num_eos: int, hidden: int,
+                 feature_layers: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        self.shape = (batch, capacity, gamma, num_eos, hidden, feature_layers)
         long = dict(dtype=torch.long, device=device)
         self.tokens = torch.zeros(batch, capacity, **long)
         self.prompt_length = torch.zeros(batch, **long)
@@ -74,8 +76,10 @@ class Workspace:
         self.log = torch.zeros(capacity + 1, 3, **long)
         self.steps_taken = torch.zeros((), **long)
         self.fault = torch.zeros(3, **long)  # the first fault: step + 1 (0: none), row, kind (FAULTS)
-        # The target's features at every fed position, for drafters that read them (SPEC.md §11).
-        self.hidden = torch.zeros(batch, capacity, hidden, dtype=dtype, device=device) if hidden else None
+        # The target's features after n layers at every fed position, for drafters that read them
+        # (SPEC.md §11): {n: [B, capacity, hidden]}, or None.
+        self.hidden = {n: torch.zeros(batch, capacity, hidden, dtype=dtype, device=device)
+                       for n in feature_layers} or None
 
 
 # What a fault's kind means (Workspace.fault[2]).

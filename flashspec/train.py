@@ -1,7 +1,8 @@
 """Training drafters made from the target (SPEC.md §11): ``flashspec train-drafter``.
 
 Teacher forcing on the target's own features and next-token laws. The target runs frozen; only
-the drafter's own part (a :class:`~flashspec.drafters.feature.FeatureHead`) learns. The loss is
+the drafter's own part learns: a :class:`~flashspec.drafters.feature.FeatureHead` (kind
+``feature``) or a :class:`~flashspec.drafters.feature.ShallowHead` (kind ``shallow``). The loss is
 distillation, the cross-entropy of the drafter's law against the target's (soft labels), or
 against the next token itself with ``hard_labels``. A checkpoint holds only the trainable part
 (``drafter.safetensors``) and ``drafter.json``: the drafter's kind and size, the target it belongs
@@ -28,8 +29,12 @@ import torch
 from tqdm.auto import tqdm
 
 from .drafters.feature import FeatureHead
+from .drafters.shallow import ShallowHead
 
-__all__ = ["TrainOptions", "read_text", "token_chunks", "train_feature_head", "save_drafter", "load_feature_head"]
+__all__ = ["KINDS", "TrainOptions", "read_text", "token_chunks", "train_head", "train_feature_head", "save_drafter",
+           "load_head", "load_feature_head"]
+
+KINDS = ("feature", "shallow")
 
 HELDOUT = 0.05  # never read
 ESTIMATE = 0.05  # just before it: the acceptance estimate's text
@@ -40,7 +45,9 @@ FORMAT = 1
 class TrainOptions:
     """How a drafter trains (``flashspec train-drafter``'s flags)."""
 
-    layers: int = 1  # decoder layers of the drafter's own part
+    layers: int = 1  # decoder layers of the drafter's own part (feature) / adapter layers (shallow)
+    shared_layers: int | None = None  # shallow: the target's layers it shares (default: a quarter)
+    head_width: int | None = None  # shallow: the residual MLP's width (default: the hidden size)
     steps: int = 1000
     batch: int = 8  # sequences per step
     seq_len: int = 256  # tokens per sequence
@@ -51,8 +58,10 @@ class TrainOptions:
     estimate_every: int = 50  # steps between two acceptance estimates on the estimate text
 
     def __post_init__(self) -> None:
-        for name in ("layers", "steps", "batch", "seq_len", "estimate_every"):
+        for name in ("layers", "steps", "batch", "seq_len", "estimate_every", "shared_layers", "head_width"):
             value = getattr(self, name)
+            if value is None and name in ("shared_layers", "head_width"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
         for name in ("lr_layers", "lr_head"):
@@ -100,10 +109,18 @@ def token_chunks(texts: list[str], tokenizer: Any, seq_len: int) -> torch.Tensor
     return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
 
 
-def _features_and_logits(target: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's last-layer features (before the final norm) and logits of ``ids [b, T]``."""
+def _features_and_logits(target: Any, ids: torch.Tensor, after: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's features after its first ``after`` layers (None: all of them, before the final
+    norm) and its logits for ``ids [b, T]``."""
     captured: list[torch.Tensor] = []
-    handle = target.model.norm.register_forward_hook(lambda module, args, output: captured.append(args[0]))
+    module = target.model.norm if after is None else target.model.layers[after - 1]
+    hook = module.register_forward_pre_hook if after is None else module.register_forward_hook
+
+    def keep(module: Any, args: Any, output: Any = None) -> None:
+        value = args[0] if after is None else (output[0] if isinstance(output, tuple) else output)
+        captured.append(value)
+
+    handle = hook(keep)
     try:
         with torch.no_grad():
             logits = target(ids).logits
@@ -112,53 +129,77 @@ def _features_and_logits(target: Any, ids: torch.Tensor) -> tuple[torch.Tensor, 
     return captured[-1], logits
 
 
-def _draft_logits(head: FeatureHead, draft: Any, target: Any, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+def _draft_logits(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
     """The drafter's logits at every position of ``ids`` (teacher-forced on the true features)."""
-    previous = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)  # f_{t-1}
-    x = head.inputs(previous.to(head.fc.weight.dtype), target.model.embed_tokens(ids).to(head.fc.weight.dtype))
-    hidden = draft.model(inputs_embeds=x).last_hidden_state
-    return target.lm_head(hidden)
+    dtype = next(head.parameters()).dtype
+    if isinstance(head, ShallowHead):
+        x = features.to(dtype)  # the target's state after its shared layers
+    else:
+        previous = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)  # f_{t-1}
+        x = head.inputs(previous.to(dtype), target.model.embed_tokens(ids).to(dtype))
+    return draft.lm_head(draft.model(inputs_embeds=x).last_hidden_state)
 
 
-def _acceptance(head: FeatureHead, draft: Any, target: Any, chunks: torch.Tensor, batch: int) -> float:
+def _feature_layer(head: Any) -> int | None:
+    return head.shared_layers if isinstance(head, ShallowHead) else None
+
+
+def _acceptance(head: Any, draft: Any, target: Any, chunks: torch.Tensor, batch: int) -> float:
     """α₁ on ``chunks``: how often the drafter's argmax is the target's (SPEC.md §11)."""
     agree = total = 0
     with torch.no_grad():
         for i in range(0, len(chunks), batch):
             ids = chunks[i : i + batch].to(target.device)
-            features, logits = _features_and_logits(target, ids)
+            features, logits = _features_and_logits(target, ids, _feature_layer(head))
             mine = _draft_logits(head, draft, target, ids, features)
             agree += int((mine.argmax(-1) == logits.argmax(-1)).sum())
             total += mine.shape[0] * mine.shape[1]
     return agree / max(total, 1)
 
 
-def train_feature_head(target: Any, chunks: torch.Tensor, options: TrainOptions,
-                       estimate: torch.Tensor | None = None, progress: bool = True) -> tuple[FeatureHead, dict]:
-    """Train a :class:`FeatureHead` for ``target`` (frozen) on ``chunks [N, seq_len]``; return it
+def new_head(kind: str, target: Any, options: TrainOptions) -> Any:
+    """An untrained head of ``kind`` for ``target``, on its device and dtype."""
+    if kind == "feature":
+        head = FeatureHead(target.config, options.layers)
+    elif kind == "shallow":
+        shared = options.shared_layers or max(1, target.config.num_hidden_layers // 4)
+        head = ShallowHead(target.config, shared, options.layers, options.head_width)
+    else:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}.")
+    parameter = next(target.parameters())
+    return head.to(device=parameter.device, dtype=parameter.dtype)
+
+
+def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptions,
+               estimate: torch.Tensor | None = None, progress: bool = True) -> tuple[Any, dict]:
+    """Train a drafter head of ``kind`` for ``target`` (frozen) on ``chunks [N, seq_len]``; return it
     with a log (losses, acceptance estimates, seconds, tokens seen)."""
     torch.manual_seed(options.seed)
     device = next(target.parameters()).device
-    dtype = next(target.parameters()).dtype
-    head = FeatureHead(target.config, options.layers).to(device=device, dtype=dtype)
+    head = new_head(kind, target, options)
     draft = head.draft_model(target)
+    layer = _feature_layer(head)
     training = target.training
     target.eval()
+    requires = {n: p.requires_grad for n, p in target.named_parameters()}
     for p in target.parameters():
         p.requires_grad_(False)  # restored below
-    groups = [{"params": head.fc.parameters(), "lr": options.lr_head},
-              {"params": head.layers.parameters(), "lr": options.lr_layers}]
+    if isinstance(head, ShallowHead):
+        groups = [{"params": list(head.fc1.parameters()) + list(head.fc2.parameters()), "lr": options.lr_head},
+                  {"params": head.layers.parameters(), "lr": options.lr_layers}]
+    else:
+        groups = [{"params": head.fc.parameters(), "lr": options.lr_head},
+                  {"params": head.layers.parameters(), "lr": options.lr_layers}]
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     generator = torch.Generator().manual_seed(options.seed)
-    log: dict[str, Any] = {"options": asdict(options), "loss": [], "estimates": [], "tokens": 0}
+    log: dict[str, Any] = {"kind": kind, "options": asdict(options), "loss": [], "estimates": [], "tokens": 0}
     started = time.perf_counter()
-    requires = {n: p.requires_grad for n, p in target.named_parameters()}
     try:
-        bar = tqdm(range(options.steps), disable=not progress, desc="training drafter", unit="step")
+        bar = tqdm(range(options.steps), disable=not progress, desc=f"training {kind} drafter", unit="step")
         for step in bar:
             rows = torch.randint(0, len(chunks), (options.batch,), generator=generator)
             ids = chunks[rows].to(device)
-            features, logits = _features_and_logits(target, ids)
+            features, logits = _features_and_logits(target, ids, layer)
             mine = _draft_logits(head, draft, target, ids, features)[:, :-1].float()
             if options.hard_labels:
                 loss = torch.nn.functional.cross_entropy(mine.flatten(0, 1), ids[:, 1:].flatten())
@@ -186,25 +227,40 @@ def train_feature_head(target: Any, chunks: torch.Tensor, options: TrainOptions,
     return head.eval(), log
 
 
+def train_feature_head(target: Any, chunks: torch.Tensor, options: TrainOptions,
+                       estimate: torch.Tensor | None = None, progress: bool = True) -> tuple[FeatureHead, dict]:
+    """:func:`train_head` of kind ``"feature"``."""
+    return train_head("feature", target, chunks, options, estimate, progress)
+
+
 # ------------------------------------------------------------------ checkpoints
-def shared_checksum(target: Any) -> str:
-    """sha256 of the target tensors a drafter shares (embedding, final norm, output head)."""
+def shared_checksum(target: Any, shared_layers: int = 0) -> str:
+    """sha256 of the target tensors a drafter shares: embedding, final norm, output head, and the
+    first ``shared_layers`` decoder layers."""
     digest = hashlib.sha256()
-    for tensor in (target.model.embed_tokens.weight, target.model.norm.weight, target.lm_head.weight):
+    tensors = [target.model.embed_tokens.weight, target.model.norm.weight, target.lm_head.weight]
+    for layer in target.model.layers[:shared_layers]:
+        tensors.extend(p for _, p in sorted(layer.named_parameters()))
+    for tensor in tensors:
         data = tensor.detach().to("cpu").contiguous()
         digest.update(str((tuple(data.shape), str(data.dtype))).encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.dtype != torch.uint8 else data.numpy().tobytes())
+        digest.update(data.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
-def _target_record(target: Any) -> dict[str, Any]:
+def _target_record(target: Any, shared_layers: int = 0) -> dict[str, Any]:
     config = target.config
     return {"model_type": config.model_type, "hidden_size": config.hidden_size,
             "num_hidden_layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
-            "name_or_path": getattr(config, "_name_or_path", ""), "shared_sha256": shared_checksum(target)}
+            "name_or_path": getattr(config, "_name_or_path", ""),
+            "shared_sha256": shared_checksum(target, shared_layers)}
 
 
-def save_drafter(head: FeatureHead, target: Any, out_dir: str | Path, log: dict | None = None) -> Path:
+def _kind(head: Any) -> str:
+    return "shallow" if isinstance(head, ShallowHead) else "feature"
+
+
+def save_drafter(head: Any, target: Any, out_dir: str | Path, log: dict | None = None) -> Path:
     """Write ``drafter.safetensors`` (the trainable part only) and ``drafter.json``."""
     from safetensors.torch import save_file
 
@@ -212,15 +268,19 @@ def save_drafter(head: FeatureHead, target: Any, out_dir: str | Path, log: dict 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     save_file(tensors, str(out / "drafter.safetensors"))
-    record = {"format": FORMAT, "kind": "feature", "layers": len(head.layers), "target": _target_record(target),
-              "dtype": str(head.fc.weight.dtype).removeprefix("torch."), "training": log or {}}
+    shared = getattr(head, "shared_layers", 0)
+    record = {"format": FORMAT, "kind": _kind(head), "layers": len(head.layers), "target": _target_record(target, shared),
+              "dtype": str(next(head.parameters()).dtype).removeprefix("torch."), "training": log or {}}
+    if isinstance(head, ShallowHead):
+        record.update(shared_layers=head.shared_layers, head_width=head.fc1.out_features)
     (out / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
     return out
 
 
-def load_feature_head(path: str | Path, target: Any) -> FeatureHead:
-    """The :class:`FeatureHead` saved in folder ``path`` for ``target``, on its device and dtype.
-    A checkpoint made for another target (architecture, sizes or shared weights) is a ValueError."""
+def load_head(path: str | Path, target: Any, kind: str | None = None) -> Any:
+    """The drafter head saved in folder ``path`` for ``target``, on its device and dtype. A
+    checkpoint of another kind, or made for another target (architecture, sizes or shared
+    weights), is a ValueError."""
     from safetensors.torch import load_file
 
     folder = Path(path)
@@ -231,21 +291,29 @@ def load_feature_head(path: str | Path, target: Any) -> FeatureHead:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{str(meta_path)!r} is corrupt: {error}") from None
-    if meta.get("format") != FORMAT or meta.get("kind") != "feature":
+    if meta.get("format") != FORMAT or meta.get("kind") not in KINDS or kind not in (None, meta.get("kind")):
         raise ValueError(f"{str(folder)!r} holds a {meta.get('kind')!r} drafter of format {meta.get('format')!r}; "
-                         f"this is a feature drafter loader of format {FORMAT}.")
-    mine, theirs = _target_record(target), meta.get("target", {})
+                         f"expected {kind or ' or '.join(KINDS)} of format {FORMAT}.")
+    shared = int(meta.get("shared_layers", 0))
+    mine, theirs = _target_record(target, shared), meta.get("target", {})
     for key in ("model_type", "hidden_size", "vocab_size", "shared_sha256"):
         if mine[key] != theirs.get(key):
             what = "its shared weights differ" if key == "shared_sha256" else f"{key} {theirs.get(key)!r} ≠ {mine[key]!r}"
             raise ValueError(f"The drafter in {str(folder)!r} was trained for another target "
                              f"({theirs.get('name_or_path') or 'unnamed'}): {what}.")
-    head = FeatureHead(target.config, int(meta["layers"]))
+    if meta["kind"] == "shallow":
+        head: Any = ShallowHead(target.config, shared, int(meta["layers"]), int(meta["head_width"]))
+    else:
+        head = FeatureHead(target.config, int(meta["layers"]))
     try:
-        state = load_file(str(folder / "drafter.safetensors"))
-        head.load_state_dict(state)
+        head.load_state_dict(load_file(str(folder / "drafter.safetensors")))
     except Exception as error:  # noqa: BLE001 - a truncated or foreign file
         raise ValueError(f"Could not read the drafter weights in {str(folder)!r} (corrupt or truncated?): "
                          f"{type(error).__name__}: {str(error)[:200]}") from None
     parameter = next(target.parameters())
     return head.to(device=parameter.device, dtype=parameter.dtype).eval()
+
+
+def load_feature_head(path: str | Path, target: Any) -> FeatureHead:
+    """:func:`load_head` of kind ``"feature"``."""
+    return load_head(path, target, "feature")

@@ -76,7 +76,24 @@ def _feature_checkpoint() -> str:
     return folder
 
 
+def _shallow_checkpoint() -> str:
+    """An untrained (seeded) shallow drafter for TARGET: its first layer, then an adapter."""
+    import tempfile
+
+    from flashspec import ShallowHead
+    from flashspec.train import save_drafter
+
+    folder = tempfile.mkdtemp(prefix="flashspec-shallow-")
+    torch.manual_seed(12)
+    head = ShallowHead(TARGET.config, 1, 1)
+    with torch.no_grad():
+        head.fc2.weight.normal_(0, 0.5)  # not the zero start: a head that changes the law
+    save_drafter(head, TARGET, folder)
+    return folder
+
+
 FEATURE = _feature_checkpoint()
+SHALLOW = _shallow_checkpoint()
 
 
 def exact_law(temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -146,6 +163,7 @@ DRAFTERS = {
     "early-exit": lambda: "early-exit:1",  # the target's first layer, sharing its cache: p != q
     "early-exit-all": lambda: "early-exit:2",  # every layer: p == q up to rounding
     "feature": lambda: f"feature:{FEATURE}",  # reads the target's features: p != q
+    "shallow": lambda: f"shallow:{SHALLOW}",  # the target's first layer and an adapter: p != q
     "none": lambda: None,  # target-only decoding through the same loop
 }
 
@@ -167,6 +185,8 @@ CASES = [
     ("early-exit-all", 0.6, 0, 0.8, 2),
     ("feature", 0.8, 5, 0.9, 1),
     ("feature", 1.2, 0, 1.0, 3),
+    ("shallow", 0.7, 0, 0.85, 1),
+    ("shallow", 1.1, 6, 1.0, 3),
     ("none", 0.7, 0, 0.9, 4),
 ]
 
@@ -179,7 +199,7 @@ def test_engine_samples_the_exact_target_law(drafter, temperature, top_k, top_p,
     assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: output law differs from the target's"
     if drafter in ("self", "early-exit-all"):
         assert run_stats.acceptance_rate > 0.99
-    if drafter in ("noisy", "independent", "ngram", "store", "early-exit", "feature"):
+    if drafter in ("noisy", "independent", "ngram", "store", "early-exit", "feature", "shallow"):
         assert 0.0 < run_stats.acceptance_rate < 1.0  # both the accept and the reject paths ran
 
 

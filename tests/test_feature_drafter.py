@@ -1,7 +1,8 @@
-"""The feature drafter (EAGLE family, SPEC.md §11) and its training: it shares the target's
-embedding, norm and head; its output is the target's, greedy and sampled (tests/test_greedy.py,
-tests/test_distribution.py); its catch-up window loses nothing; checkpoints refuse the wrong
-target; ``flashspec train-drafter`` trains and saves one that loads as ``feature:DIR``."""
+"""The trained drafters made from the target (SPEC.md §11), feature (EAGLE family) and shallow,
+and their training: they share the target's tensors; their output is the target's, greedy and
+sampled (also tests/test_greedy.py, tests/test_distribution.py); their catch-up windows lose
+nothing; checkpoints refuse the wrong target; ``flashspec train-drafter`` trains and saves one
+that loads as ``feature:DIR`` / ``shallow:DIR``."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashspec import FeatureDrafter, FeatureHead, SpeculativeEngine
+from flashspec import FeatureDrafter, FeatureHead, ShallowDrafter, ShallowHead, SpeculativeEngine
 from flashspec.cli import main
-from flashspec.train import TrainOptions, load_feature_head, save_drafter, train_feature_head
+from flashspec.train import TrainOptions, load_feature_head, load_head, save_drafter, train_feature_head, train_head
 from tiny_models import tiny_model
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -39,6 +40,17 @@ def trained(target, self_generated, tmp_path_factory):
     options = TrainOptions(steps=120, batch=8, seq_len=32, lr_layers=3e-3, lr_head=3e-3, estimate_every=60)
     head, log = train_feature_head(target, self_generated[:40], options, estimate=self_generated[40:], progress=False)
     folder = tmp_path_factory.mktemp("feature")
+    save_drafter(head, target, folder, log)
+    return folder, log
+
+
+@pytest.fixture(scope="module")
+def shallow(target, self_generated, tmp_path_factory):
+    options = TrainOptions(layers=1, shared_layers=1, steps=120, batch=8, seq_len=32, lr_layers=3e-3, lr_head=3e-3,
+                           estimate_every=60)
+    head, log = train_head("shallow", target, self_generated[:40], options, estimate=self_generated[40:],
+                           progress=False)
+    folder = tmp_path_factory.mktemp("shallow")
     save_drafter(head, target, folder, log)
     return folder, log
 
@@ -70,14 +82,16 @@ def test_training_lowers_the_loss_and_raises_acceptance(target, self_generated, 
     assert log["tokens"] == 120 * 8 * 32 and log["seconds"] > 0
 
 
+@pytest.mark.parametrize("kind", ["feature", "shallow"])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_greedy_output_is_the_targets(arch, gamma, tmp_path):
+def test_greedy_output_is_the_targets(kind, arch, gamma, tmp_path):
     model = tiny_model(arch, seed=5)
     torch.manual_seed(0)
-    save_drafter(FeatureHead(model.config, 1), model, tmp_path)  # untrained: mostly rejected
+    head = FeatureHead(model.config, 1) if kind == "feature" else ShallowHead(model.config, 1, 1)
+    save_drafter(head, model, tmp_path)  # untrained: mostly rejected
     prompts = [[3, 4, 5, 3, 4, 5, 3], [9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
-    engine = SpeculativeEngine(model, [f"feature:{tmp_path}", "ngram"], gammas=[gamma], selector="ucb1",
+    engine = SpeculativeEngine(model, [f"{kind}:{tmp_path}", "ngram"], gammas=[gamma], selector="ucb1",
                                selector_options={"seed": 0}, device="cpu")
     for _ in range(2):  # the second request reuses the buffers
         assert engine.generate(prompts, max_new_tokens=20, eos_token_id=[]).sequences == _reference(model, prompts, 20)
@@ -85,26 +99,30 @@ def test_greedy_output_is_the_targets(arch, gamma, tmp_path):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
-@given(gamma=st.integers(1, 5), batch=st.integers(1, 3), new_tokens=st.integers(1, 24))
-def test_trained_drafter_greedy_output_is_the_targets(target, trained, gamma, batch, new_tokens):
+@given(gamma=st.integers(1, 5), batch=st.integers(1, 3), new_tokens=st.integers(1, 24), kind=st.sampled_from([0, 1]))
+def test_trained_drafter_greedy_output_is_the_targets(target, trained, shallow, gamma, batch, new_tokens, kind):
     prompts = [[(5 * b + i) % 64 for i in range(2 + 3 * b)] for b in range(batch)]
-    engine = SpeculativeEngine(target, [f"feature:{trained[0]}"], device="cpu")
+    spec = f"feature:{trained[0]}" if kind == 0 else f"shallow:{shallow[0]}"
+    engine = SpeculativeEngine(target, [spec], device="cpu")
     out = engine.generate(prompts, max_new_tokens=new_tokens, num_draft_tokens=gamma, eos_token_id=[])
     assert out.sequences == _reference(target, prompts, new_tokens)
 
 
-def test_the_catch_up_window_loses_nothing(target, trained, monkeypatch):
+@pytest.mark.parametrize("kind", ["feature", "shallow"])
+def test_the_catch_up_window_loses_nothing(target, trained, shallow, kind, monkeypatch):
     """Feeding only the positions whose true features the drafter has not seen proposes exactly
     what re-feeding the whole history would: the same drafts accepted at every step."""
     prompts = [[1, 2, 3, 4], [8, 9], [5, 5, 5, 5, 5, 5]]
+    folder = (trained if kind == "feature" else shallow)[0]
 
     def run():
-        engine = SpeculativeEngine(target, [f"feature:{trained[0]}"], device="cpu")
+        engine = SpeculativeEngine(target, [f"{kind}:{folder}"], device="cpu")
         out = engine.generate(prompts, max_new_tokens=30, num_draft_tokens=3, eos_token_id=[])
         return out.sequences, [(r.accepted, r.committed) for r in out.stats.step_log]
 
     windowed = run()
-    monkeypatch.setattr(FeatureDrafter, "_window", lambda self, history: history.length_bound())
+    cls = FeatureDrafter if kind == "feature" else ShallowDrafter
+    monkeypatch.setattr(cls, "_window", lambda self, history: history.length_bound())
     full = run()
     assert windowed == full
     assert sum(a for a, _ in windowed[1]) > 0  # drafts were accepted, so the catch-up was exercised
@@ -130,6 +148,30 @@ def test_broken_checkpoints_are_clear_errors(target, trained, tmp_path):
     assert record["kind"] == "feature" and record["target"]["shared_sha256"]
 
 
+def test_shallow_training_and_its_checkpoint(target, shallow):
+    folder, log = shallow
+    assert log["loss"][-1] < log["loss"][0] and log["estimates"][-1]["alpha1"] > 0
+    head = load_head(folder, target, "shallow")
+    assert isinstance(head, ShallowHead) and head.shared_layers == 1
+    engine = SpeculativeEngine(target, [f"shallow:{folder}"], device="cpu")
+    drafter = engine.drafters[0]
+    assert drafter.target is engine._target_lm  # the shared layers run on the target's own cache
+    assert drafter.lm.model.lm_head.lm_head is target.lm_head and drafter.lm.model.model.norm is target.model.norm
+    changed = tiny_model("llama", seed=4, vocab_size=64)  # the same embedding, norm and head ...
+    with torch.no_grad():
+        changed.model.layers[0].mlp.down_proj.weight.add_(0.01)  # ... but a shared layer differs
+    with pytest.raises(ValueError, match="shared weights differ"):
+        load_head(folder, changed)
+    with pytest.raises(ValueError, match="expected feature"):
+        load_head(folder, target, "feature")
+
+
+@pytest.mark.parametrize("shared", [0, 2, 3])
+def test_shallow_shared_layers_are_checked(target, shared):
+    with pytest.raises(ValueError, match="shared_layers"):
+        ShallowHead(target.config, shared)
+
+
 def test_targets_without_the_static_cache_are_refused(trained):
     with pytest.raises(ValueError, match="static cache"):
         SpeculativeEngine(tiny_model("gpt2", seed=0), [f"feature:{trained[0]}"], device="cpu")
@@ -144,7 +186,8 @@ def test_bad_training_options(options, message):
         TrainOptions(**options)
 
 
-def test_train_drafter_command_trains_saves_and_the_engine_loads_it(tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["feature", "shallow"])
+def test_train_drafter_command_trains_saves_and_the_engine_loads_it(kind, tmp_path, capsys):
     from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -155,14 +198,15 @@ def test_train_drafter_command_trains_saves_and_the_engine_loads_it(tmp_path, ca
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="?").save_pretrained(tmp_path / "target")
     text = tmp_path / "data.txt"
     text.write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(400)))
-    rc = main(["train-drafter", "--target", str(tmp_path / "target"), "--data", str(text), "--out",
+    rc = main(["train-drafter", "--kind", kind, "--target", str(tmp_path / "target"), "--data", str(text), "--out",
                str(tmp_path / "drafter"), "--steps", "6", "--batch", "2", "--seq-len", "32", "--estimate-every", "3",
                "--device", "cpu"])
     assert rc == 0, capsys.readouterr().err
-    assert "feature:" in capsys.readouterr().out
+    assert f"{kind}:" in capsys.readouterr().out
     record = json.loads((tmp_path / "drafter" / "drafter.json").read_text())
+    assert record["kind"] == kind
     assert len(record["training"]["loss"]) == 6 and len(record["training"]["estimates"]) == 2
-    engine = SpeculativeEngine(str(tmp_path / "target"), [f"feature:{tmp_path / 'drafter'}"], device="cpu")
+    engine = SpeculativeEngine(str(tmp_path / "target"), [f"{kind}:{tmp_path / 'drafter'}"], device="cpu")
     prompt = [[ord(c) for c in "def f3(x):\n"]]
     assert engine.generate(prompt, max_new_tokens=10, eos_token_id=[]).sequences == _reference(model, prompt, 10)
     assert main(["train-drafter", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "nope.txt"),

@@ -54,16 +54,30 @@ def feature_checkpoint(target) -> str:
     return folder
 
 
+def shallow_checkpoint(target) -> str:
+    """An untrained (seeded) shallow drafter for ``target``: its first layer, then an adapter."""
+    import tempfile
+
+    from flashspec import ShallowHead
+    from flashspec.train import save_drafter
+
+    folder = tempfile.mkdtemp(prefix="flashspec-shallow-gpu-")
+    torch.manual_seed(4)
+    save_drafter(ShallowHead(target.config, 1, 1), target, folder)
+    return folder
+
+
 def drafters_for(drafter: str, target, dtype=torch.float32) -> list:
     arch = target.config.model_type
     return {"model": lambda: [tiny(arch, 1, dtype)], "ngram": lambda: ["ngram"], "none": lambda: [],
             "early-exit": lambda: ["early-exit:1"], "early-exit-all": lambda: ["early-exit:2"],
-            "feature": lambda: [f"feature:{feature_checkpoint(target)}"]}[drafter]()
+            "feature": lambda: [f"feature:{feature_checkpoint(target)}"],
+            "shallow": lambda: [f"shallow:{shallow_checkpoint(target)}"]}[drafter]()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("gamma", [1, 4])
-@pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit", "early-exit-all", "feature", "none"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit", "early-exit-all", "feature", "shallow", "none"])
 def test_graphs_greedy_matches_hf_generate_float32(arch, gamma, drafter):
     target = tiny(arch, 0)
     drafters = drafters_for(drafter, target)
@@ -93,7 +107,7 @@ def test_graph_replays_equal_eager_steps(do_sample):
     assert a == b == c
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit", "feature", "none"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit", "feature", "shallow", "none"])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(do_sample=True, temperature=0.7),
                                     SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, top_k=20)])
 def test_steady_state_steps_do_not_synchronise(drafter, params):

@@ -23,9 +23,10 @@ class History:
     active: torch.Tensor | None = None  # [B] bool: rows still generating (None: all of them)
     # A host-side fact, so a drafter can size its work without reading tensors back:
     max_length: int | None = None  # an upper bound on length.max() (None: tokens.shape[1])
-    # [B, capacity, hidden]: the target's last-layer features (before its final norm) at every
-    # committed position but the pending one; only for drafters with ``uses_hidden_states``.
-    hidden: torch.Tensor | None = None
+    # {n: [B, capacity, hidden]}: the target's features after its first n layers (all of them:
+    # before its final norm) at every committed position but the pending one; only for drafters
+    # with ``uses_hidden_states`` (n is their ``feature_layer``).
+    hidden: dict[int, torch.Tensor] | None = None
 
     def length_bound(self) -> int:
         return self.max_length if self.max_length is not None else self.tokens.shape[1]
@@ -51,8 +52,9 @@ class Drafter(Protocol):
     prefill (the history holds the prompts and the first new token), for a drafter that wants
     to fill a cache while the request is still in its prefill; ``forward_seconds``, the host
     time spent in its model forwards so far (the statistics' engine-overhead figure);
-    ``uses_hidden_states = True``, to be handed the target's features in ``History.hidden``
-    (written by the target's own forwards, no host synchronisation; SPEC.md §11)."""
+    ``uses_hidden_states = True`` with ``feature_layer = n``, to be handed the target's features
+    after its first ``n`` layers in ``History.hidden[n]`` (written by the target's own forwards, no
+    host synchronisation; SPEC.md §11)."""
 
     name: str
 

@@ -26,7 +26,7 @@ from ..graphs import Graphs
 from ..sampling import SamplingParams, probabilities, sample
 from .base import Draft, History
 
-__all__ = ["FeatureHead", "FeatureDrafter"]
+__all__ = ["FeatureHead", "FeatureDrafter", "decoder_layer"]
 
 PREFIX = "feature:"
 
@@ -44,7 +44,7 @@ class FeatureHead(nn.Module):
         if hasattr(self.config, "layer_types") and self.config.layer_types is not None:
             self.config.layer_types = self.config.layer_types[:layers]
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
-        self.layers = nn.ModuleList(_decoder_layer(self.config, i) for i in range(layers))
+        self.layers = nn.ModuleList(decoder_layer(self.config, i) for i in range(layers))
 
     def draft_model(self, target: nn.Module) -> nn.Module:
         """A model of the target's class whose decoder layers are this head's and whose embedding,
@@ -64,7 +64,7 @@ class FeatureHead(nn.Module):
         return self.fc(torch.cat([features, embeddings], dim=-1))
 
 
-def _decoder_layer(config: Any, index: int) -> nn.Module:
+def decoder_layer(config: Any, index: int) -> nn.Module:
     """A decoder layer of ``config``'s architecture (the class transformers' model uses)."""
     from transformers import AutoModelForCausalLM
 
@@ -94,6 +94,7 @@ class FeatureDrafter:
             raise ValueError(f"This feature drafter was made for hidden size {head.config.hidden_size}; the "
                              f"target's is {target.model.config.hidden_size}.")
         self.target, self.head = target, head
+        self.feature_layer = len(target.base.layers)  # the target's last layer, before its final norm
         self.name = name or "feature"
         self.lm = StaticLM(head.draft_model(target.model))
         device = next(target.model.parameters()).device
@@ -108,6 +109,11 @@ class FeatureDrafter:
 
     def begin(self, batch_size: int) -> None:
         self._fed_through = None
+
+    @property
+    def _own(self) -> dict[int, torch.Tensor]:
+        """Where the drafter's own layers write their outputs (its predicted features)."""
+        return {len(self.head.layers): self._features}
 
     def _start(self, history: History) -> None:
         batch, capacity = history.tokens.shape
@@ -137,15 +143,15 @@ class FeatureDrafter:
         return min(bound, max(self.MIN_WINDOW, 1 << (unseen - 1).bit_length()))
 
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
-        if history.hidden is None:
+        if history.hidden is None or self.feature_layer not in history.hidden:
             raise ValueError("A feature drafter needs the target's features (History.hidden): use it through "
                              "SpeculativeEngine, which provides them.")
         first = self._fed_through is None
         if first:
             self._start(history)
         active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
-        inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, history.hidden, active, uniforms,
-                                              self._features))
+        inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, history.hidden[self.feature_layer],
+                                              active, uniforms, self._features))
         if inputs != self._graph_inputs:
             self._graphs.clear()
             self._graph_inputs = inputs
@@ -157,14 +163,14 @@ class FeatureDrafter:
 
     def _feed(self, history: History, start: torch.Tensor, width: int, logits_at: torch.Tensor | None) -> torch.Tensor:
         """Feed the pairs ``(f_{t-1}, e_t)`` of positions ``start[b] … start[b] + width − 1``."""
-        tokens, hidden = history.tokens, history.hidden
+        tokens, hidden = history.tokens, history.hidden[self.feature_layer]
         capacity = tokens.shape[1]
         index = (start[:, None] + torch.arange(width, device=start.device)).clamp(max=capacity - 1)
         token = tokens.gather(1, index)
         previous = hidden.gather(1, (index - 1).clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
         previous = torch.where((index > 0)[..., None], previous, torch.zeros_like(previous))
         x = self.head.inputs(previous.to(self._features.dtype), self.lm.base.embed_tokens(token))
-        return self.lm.forward(None, start, embeds=x, logits_at=logits_at, hidden_out=self._features)
+        return self.lm.forward(None, start, embeds=x, logits_at=logits_at, hidden_out=self._own)
 
     def _draft(self, history: History, window: int, num_tokens: int, params: SamplingParams,
                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -186,6 +192,6 @@ class FeatureDrafter:
                 at = (length - 1 + i).clamp(max=self._features.shape[1] - 1)
                 feature = self._features.gather(1, at[:, None, None].expand(-1, 1, hidden))  # predicted f at t
                 x = self.head.inputs(feature, self.lm.base.embed_tokens(token[:, None]))
-                logits = self.lm.forward(None, length + i, embeds=x, hidden_out=self._features)[:, 0]
+                logits = self.lm.forward(None, length + i, embeds=x, hidden_out=self._own)[:, 0]
         probs = torch.stack(laws, dim=1) if laws else None
         return torch.stack(drafted, dim=1), probs

@@ -1,0 +1,177 @@
+"""A drafter made from the target's first layers plus trained adapters (SPEC.md §11).
+
+The target's first ``N`` layers run on the target's own cache (as ``early-exit:N``). Their output
+goes through ``K`` trained adapter decoder layers of the target's class (a cache of their own),
+the target's final norm, a trained residual MLP and the target's head. The adapters catch up on
+committed positions with the target's own features after ``N`` layers (``History.hidden[N]``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cache import StaticLM
+from ..graphs import Graphs
+from ..sampling import SamplingParams, probabilities, sample
+from .base import Draft, History
+from .feature import FeatureDrafter, decoder_layer
+
+__all__ = ["ShallowHead", "ShallowDrafter"]
+
+PREFIX = "shallow:"
+
+
+class _ResidualHead(nn.Module):
+    """``lm_head(x + fc2(silu(fc1(x))))``: a trained MLP in hidden space before the target's head."""
+
+    def __init__(self, fc1: nn.Linear, fc2: nn.Linear, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.lm_head = fc1, fc2, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x + self.fc2(torch.nn.functional.silu(self.fc1(x))))
+
+
+class ShallowHead(nn.Module):
+    """The trainable part of a shallow drafter (SPEC.md §11): ``adapters`` decoder layers of the
+    target's architecture over the target's features after its first ``shared_layers`` layers,
+    then the target's final norm, a residual MLP ``fc1 → SiLU → fc2`` of width ``head_width``
+    (``fc2`` starts at zero) and the target's head."""
+
+    def __init__(self, config: Any, shared_layers: int, adapters: int = 2, head_width: int | None = None) -> None:
+        super().__init__()
+        total = config.num_hidden_layers
+        if isinstance(shared_layers, bool) or not isinstance(shared_layers, int) or not 1 <= shared_layers < total:
+            raise ValueError(f"shared_layers must be an integer from 1 to {total - 1} (the target has {total}); "
+                             f"got {shared_layers!r}.")
+        if isinstance(adapters, bool) or not isinstance(adapters, int) or adapters < 1:
+            raise ValueError(f"adapters must be an integer >= 1; got {adapters!r}.")
+        hidden = config.hidden_size
+        width = head_width or hidden
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"head_width must be an integer >= 1; got {head_width!r}.")
+        self.shared_layers = shared_layers
+        self.config = copy.deepcopy(config)
+        self.config.num_hidden_layers = adapters
+        if getattr(self.config, "layer_types", None) is not None:
+            self.config.layer_types = self.config.layer_types[:adapters]
+        self.layers = nn.ModuleList(decoder_layer(self.config, i) for i in range(adapters))
+        self.fc1 = nn.Linear(hidden, width, bias=False)
+        self.fc2 = nn.Linear(width, hidden, bias=False)
+        with torch.no_grad():
+            self.fc2.weight.zero_()
+
+    def draft_model(self, target: nn.Module) -> nn.Module:
+        """A model of the target's class: these adapter layers, the target's norm, rotary embedding
+        and embedding (unused: the input is the target's features), this MLP and the target's head."""
+        with torch.device("meta"):
+            model = type(target)(self.config)
+        model.model.layers = self.layers
+        model.model.embed_tokens = target.model.embed_tokens
+        model.model.norm = target.model.norm
+        model.model.rotary_emb = target.model.rotary_emb
+        model.lm_head = _ResidualHead(self.fc1, self.fc2, target.lm_head)
+        model.generation_config = target.generation_config
+        return model.eval()
+
+
+class ShallowDrafter:
+    """Drafts with the target's first ``N`` layers (its cache shared, as ``early-exit:N``) and a
+    trained :class:`ShallowHead` over their output (SPEC.md §11).
+
+    Per drafted token: the target's first ``N`` layers on the token (writing the target's cache
+    at positions the verify forward rewrites), then the adapters (a cache of their own). Before a
+    proposal the adapters catch up on the committed positions they have not seen with the target's
+    own features after ``N`` layers (``History.hidden[N]``, written by its forwards)."""
+
+    uses_hidden_states = True
+    MIN_WINDOW = 4
+
+    def __init__(self, target: StaticLM, head: ShallowHead, name: str | None = None) -> None:
+        if not isinstance(target, StaticLM):
+            raise ValueError("A shallow drafter needs a target that runs over FlashSpec's static cache "
+                             f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
+        if head.shared_layers >= len(target.base.layers) or head.config.hidden_size != target.model.config.hidden_size:
+            raise ValueError("This shallow drafter was made for another target shape.")
+        self.target, self.head = target, head
+        self.feature_layer = head.shared_layers
+        self.name = name or f"shallow:{head.shared_layers}"
+        self.lm = StaticLM(head.draft_model(target.model))
+        device = next(target.model.parameters()).device
+        self._graphs = Graphs(enabled=device.type == "cuda")
+        self._graph_inputs: tuple[int, ...] = ()
+        self._fed_through: int | None = None
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.lm.forward_seconds  # (the shared layers' time is counted in the target's)
+
+    def begin(self, batch_size: int) -> None:
+        self._fed_through = None
+
+    def prefill(self, history: History) -> None:
+        """The adapters see the prompt's features now, so the first proposal feeds one position."""
+        batch, capacity = history.tokens.shape
+        if self.lm.reset(batch, capacity):
+            self._graphs.clear()
+        bound = history.length_bound()
+        if bound > 1:
+            zeros = torch.zeros_like(history.length)
+            features = history.hidden[self.feature_layer][:, : bound - 1]
+            self.lm.forward(None, zeros, embeds=features, logits_at=zeros[:, None])
+        self._fed_through = bound - 1
+
+    _window = FeatureDrafter._window
+
+    def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
+        if history.hidden is None or self.feature_layer not in history.hidden:
+            raise ValueError("A shallow drafter needs the target's features (History.hidden): use it through "
+                             "SpeculativeEngine, which provides them.")
+        first = self._fed_through is None
+        if first:
+            batch, capacity = history.tokens.shape
+            if self.lm.reset(batch, capacity):
+                self._graphs.clear()
+        active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
+        inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, history.hidden[self.feature_layer],
+                                              active, uniforms, self.target.keys[0], self.lm.keys[0]))
+        if inputs != self._graph_inputs:
+            self._graphs.clear()
+            self._graph_inputs = inputs
+        window = self._window(history)
+        self._fed_through = history.length_bound()
+        key = None if first else (window, num_tokens, params)
+        tokens, probs = self._graphs.run(key, lambda: self._draft(history, window, num_tokens, params, uniforms))
+        return Draft(tokens, probs)
+
+    def _draft(self, history: History, window: int, num_tokens: int, params: SamplingParams,
+               uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pure tensor code (no host reads), so it can be captured as a graph."""
+        tokens, length = history.tokens, history.length
+        features = history.hidden[self.feature_layer]
+        capacity, hidden = features.shape[1], features.shape[2]
+        start = (length - window).clamp(min=0)
+        index = (start[:, None] + torch.arange(window, device=length.device)).clamp(max=capacity - 1)
+        known = features.gather(1, index[..., None].expand(-1, -1, hidden))
+        pending = tokens.gather(1, (length - 1)[:, None])
+        shallow = self.target.forward(pending, length - 1, layers=self.feature_layer, head=False)  # [B, 1, H]
+        x = torch.where((index == (length - 1)[:, None])[..., None], shallow.to(known.dtype), known)
+        logits = self.lm.forward(None, start, embeds=x, logits_at=(length - 1 - start)[:, None])[:, 0]
+        drafted, laws = [], []
+        for i in range(num_tokens):
+            if params.do_sample:
+                q = probabilities(logits, params)
+                token = sample(q, uniforms[:, i])
+                laws.append(q)
+            else:
+                token = logits.float().argmax(dim=-1)
+            drafted.append(token)
+            if i + 1 < num_tokens:
+                shallow = self.target.forward(token[:, None], length + i, layers=self.feature_layer, head=False)
+                logits = self.lm.forward(None, length + i, embeds=shallow)[:, 0]
+        probs = torch.stack(laws, dim=1) if laws else None
+        return torch.stack(drafted, dim=1), probs
