@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, probabilities, sample
 
 
 @dataclass
@@ -85,3 +85,12 @@ def continuation(
     taken = source.gather(1, index) if source.dim() == 2 else source[index]
     return torch.where(usable, taken, pending)
 
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row of ``logits [B, V]``: the argmax when greedy, else a draw with
+    ``uniforms [B]`` from the processed law ``q [B, V]``, returned with it (None when greedy)."""
+    if params.do_sample:
+        q = probabilities(logits, params)
+        return sample(q, uniforms), q
+    return logits.float().argmax(dim=-1), None

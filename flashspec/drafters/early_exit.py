@@ -13,8 +13,8 @@ import torch
 
 from ..cache import StaticLM
 from ..graphs import Graphs
-from ..sampling import SamplingParams, probabilities, sample
-from .base import Draft, History
+from ..sampling import SamplingParams
+from .base import Draft, History, draw
 
 __all__ = ["EarlyExitDrafter", "parse_early_exit"]
 
@@ -73,12 +73,9 @@ class EarlyExitDrafter:
         drafted, laws = [], []
         for i in range(num_tokens):
             logits = self.target.forward(token, length - 1 + i, layers=self.layers)[:, 0]
-            if params.do_sample:
-                q = probabilities(logits, params)
-                next_token = sample(q, uniforms[:, i])
+            next_token, q = draw(logits, params, uniforms[:, i])
+            if q is not None:
                 laws.append(q)
-            else:
-                next_token = logits.float().argmax(dim=-1)
             drafted.append(next_token)
             token = next_token[:, None]
         probs = torch.stack(laws, dim=1) if laws else None

@@ -23,8 +23,8 @@ from torch import nn
 
 from ..cache import StaticLM
 from ..graphs import Graphs
-from ..sampling import SamplingParams, probabilities, sample
-from .base import Draft, History
+from ..sampling import SamplingParams
+from .base import Draft, History, draw
 
 __all__ = ["FeatureHead", "FeatureDrafter", "decoder_layer"]
 
@@ -181,12 +181,9 @@ class FeatureDrafter:
         hidden = self._features.shape[-1]
         drafted, laws = [], []
         for i in range(num_tokens):
-            if params.do_sample:
-                q = probabilities(logits, params)
-                token = sample(q, uniforms[:, i])
+            token, q = draw(logits, params, uniforms[:, i])
+            if q is not None:
                 laws.append(q)
-            else:
-                token = logits.float().argmax(dim=-1)
             drafted.append(token)
             if i + 1 < num_tokens:
                 at = (length - 1 + i).clamp(max=self._features.shape[1] - 1)

@@ -7,8 +7,8 @@ from transformers import PreTrainedModel
 
 from ..cache import StaticLM, make_lm
 from ..graphs import Graphs
-from ..sampling import SamplingParams, probabilities, sample
-from .base import Draft, History
+from ..sampling import SamplingParams
+from .base import Draft, History, draw
 
 
 class ModelDrafter:
@@ -126,12 +126,9 @@ class ModelDrafter:
         live = active[:, None]  # finished rows draft as holes (their positions may pass the window)
         drafted, laws = [], []
         for i in range(num_tokens):
-            if params.do_sample:
-                q = probabilities(logits, params)
-                token = sample(q, uniforms[:, i])
+            token, q = draw(logits, params, uniforms[:, i])
+            if q is not None:
                 laws.append(q)
-            else:
-                token = logits.float().argmax(dim=-1)
             drafted.append(token)
             if i + 1 < num_tokens:
                 logits = self._lm.forward(token[:, None], length + i, live)[:, 0]

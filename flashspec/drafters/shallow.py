@@ -16,8 +16,8 @@ from torch import nn
 
 from ..cache import StaticLM
 from ..graphs import Graphs
-from ..sampling import SamplingParams, probabilities, sample
-from .base import Draft, History
+from ..sampling import SamplingParams
+from .base import Draft, History, draw
 from .feature import FeatureDrafter, decoder_layer
 
 __all__ = ["ShallowHead", "ShallowDrafter"]
@@ -163,12 +163,9 @@ class ShallowDrafter:
         logits = self.lm.forward(None, start, embeds=x, logits_at=(length - 1 - start)[:, None])[:, 0]
         drafted, laws = [], []
         for i in range(num_tokens):
-            if params.do_sample:
-                q = probabilities(logits, params)
-                token = sample(q, uniforms[:, i])
+            token, q = draw(logits, params, uniforms[:, i])
+            if q is not None:
                 laws.append(q)
-            else:
-                token = logits.float().argmax(dim=-1)
             drafted.append(token)
             if i + 1 < num_tokens:
                 shallow = self.target.forward(token[:, None], length + i, layers=self.feature_layer, head=False)
