@@ -134,13 +134,12 @@ class SpeculativeEngine:
         if not isinstance(target, PreTrainedModel):
             raise ValueError("target must be a transformers causal LM or a path / hub id / .gguf file.")
         check_causal_lm(target, "target", known_causal=StaticLM.supports(target))
-        # The target's training mode is switched only during a call (eval_mode).
         if isinstance(tokenizer, str):
             try:
                 tokenizer = load_tokenizer(tokenizer)
             except ValueError as error:
                 raise ValueError(f"Cannot use {tokenizer!r} as the tokenizer: {error}") from None
-        return target, tokenizer
+        return target, tokenizer  # (its training mode is switched only during a call: eval_mode)
 
     # ------------------------------------------------------------------ learning state
     def arm_label(self, arm: int, num_draft_tokens: int | None = None) -> str:
@@ -176,21 +175,8 @@ class SpeculativeEngine:
     def _as_drafter(self, spec: Any, dtype: torch.dtype) -> Drafter:
         if isinstance(spec, str) and spec == "ngram":
             return NgramDrafter()
-        if isinstance(spec, str) and spec.startswith(EARLY_EXIT):
-            if not isinstance(self._target_lm, StaticLM):
-                raise ValueError(f"{spec!r} needs a target that runs over FlashSpec's static cache "
-                                 f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
-            return EarlyExitDrafter(self._target_lm, parse_early_exit(spec, len(self._target_lm.base.layers)))
-        if isinstance(spec, str) and spec.startswith((FEATURE, SHALLOW)):
-            from .train import load_head
-
-            kind, folder = spec.split(":", 1)
-            if not isinstance(self._target_lm, StaticLM):
-                raise ValueError(f"{spec!r} needs a target that runs over FlashSpec's static cache "
-                                 f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
-            head = load_head(folder, self.target, kind)
-            cls = FeatureDrafter if kind == "feature" else ShallowDrafter
-            return cls(self._target_lm, head, name=f"{kind}-{Path(folder).name or 'drafter'}")
+        if isinstance(spec, str) and spec.startswith((EARLY_EXIT, FEATURE, SHALLOW)):
+            return self._made_from_target(spec)
         if isinstance(spec, str) and spec.strip().lower() == "ngram":
             raise ValueError(f"Unknown drafter {spec!r}: did you mean 'ngram'? (Drafter names are lower case.)")
         name = None
@@ -209,6 +195,21 @@ class SpeculativeEngine:
         if isinstance(spec, Drafter):
             return spec
         raise ValueError(f"Cannot use {spec!r} as a drafter: give a model, a path, 'ngram' or a Drafter.")
+
+    def _made_from_target(self, spec: str) -> Drafter:
+        """``early-exit:N``, ``feature:DIR`` or ``shallow:DIR``: a drafter sharing this engine's own
+        target, its weights and its cache (SPEC.md §11)."""
+        if not isinstance(self._target_lm, StaticLM):
+            raise ValueError(f"{spec!r} needs a target that runs over FlashSpec's static cache "
+                             f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
+        if spec.startswith(EARLY_EXIT):
+            return EarlyExitDrafter(self._target_lm, parse_early_exit(spec, len(self._target_lm.base.layers)))
+        from .train import load_head
+
+        kind, folder = spec.split(":", 1)
+        head = load_head(folder, self.target, kind)
+        cls = FeatureDrafter if kind == "feature" else ShallowDrafter
+        return cls(self._target_lm, head, name=f"{kind}-{Path(folder).name or 'drafter'}")
 
     # ------------------------------------------------------------------ generate
     @torch.inference_mode()
