@@ -151,8 +151,10 @@ def parse_request(
     if seed is not None and (_token_id(seed) is None or not -(2**63) <= seed < 2**64):
         raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None; got {seed!r}.")
     seed = None if seed is None else _token_id(seed)
-    if not do_sample and (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)):
-        raise ValueError(f"temperature must be a number (greedy decoding ignores its value); got {temperature!r}.")
+    if not do_sample and temperature is not None and (
+            isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)):
+        raise ValueError(f"temperature must be a number or None (greedy decoding ignores its value); "
+                         f"got {temperature!r}.")
     vocab_size = target.config.vocab_size
     rows = prompt_rows(input_ids, attention_mask, tokenizer, vocab_size)
     eos = eos_ids(eos_token_id, target, vocab_size)

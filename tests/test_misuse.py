@@ -373,3 +373,14 @@ def test_a_fault_is_raised_even_when_steps_run_ahead_of_the_poll(drafters):
     _Poisoned(model, after=3)
     with pytest.raises(ValueError, match="the target's logits are not finite"):
         engine.generate([PROMPT], max_new_tokens=30, do_sample=True, temperature=0.8, eos_token_id=[], sync_every=8)
+
+
+def test_temperature_none_is_transformers_greedy_convention():
+    """transformers accepts ``temperature=None`` with greedy decoding; so does the engine (the value
+    is ignored), while sampling still needs a number."""
+    engine = SpeculativeEngine(TARGET, [])
+    assert greedy(engine, [PROMPT], temperature=None) == greedy(engine, [PROMPT])
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate([PROMPT], max_new_tokens=2, do_sample=True, temperature=None)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate([PROMPT], max_new_tokens=2, temperature="hot")
