@@ -13,6 +13,7 @@ from typing import Any
 
 from .bench.cli import add_parsers as add_bench_parsers
 from .demo import DEMO_PROMPT
+from .distill import add_parser as add_distill_parser
 from .models import DTYPES
 
 __all__ = ["main"]
@@ -66,6 +67,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--shared-layers", type=int, default=None,
                        help="shallow: the target's layers it shares (default: a quarter of them)")
     train.add_argument("--head-width", type=int, default=None, help="shallow: the MLP's width (default: hidden size)")
+    train.add_argument("--width", type=int, default=None, help="feature: its layer's MLP width (default: the target's)")
+    train.add_argument("--heads", type=int, default=None, help="feature: its layer's query heads (default: the target's)")
+    train.add_argument("--draft-vocab", type=int, default=None,
+                       help="feature: restrict its head to the N most frequent tokens of the data (default: all)")
+    train.add_argument("--base", default=None,
+                       help="a trained drafter folder to start from (e.g. a general one, for a per-domain drafter)")
+    train.add_argument("--rank", type=int, default=None,
+                       help="with --base: train and save only a low-rank delta of this rank over it")
+    train.add_argument("--storage", default="int8", choices=["int8", "same"],
+                       help="int8 (default): matrices as int8 rows with a scale each; same: the training dtype")
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--batch", type=int, default=8, help="sequences per step")
     train.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
@@ -74,11 +85,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--hard-labels", action="store_true", help="cross-entropy on the next token, not the target's law")
     train.add_argument("--estimate-every", type=int, default=50, help="steps between acceptance estimates")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--max-minutes", type=float, default=None, help="stop training after this long (default: no limit)")
     train.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     train.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     train.set_defaults(run=train_drafter)
 
     add_bench_parsers(sub)
+    add_distill_parser(sub)
     return parser
 
 
@@ -113,29 +126,46 @@ def demo(args: argparse.Namespace) -> None:
 
 def train_drafter(args: argparse.Namespace) -> None:
     """Train a drafter made from ``--target`` on ``--data`` and save it to ``--out``."""
+    import json
+
     from .engine import SpeculativeEngine
-    from .train import TrainOptions, read_text, save_drafter, token_chunks, train_head
+    from .train import TrainOptions, estimate_acceptance, load_head, read_text, save_drafter, token_chunks, train_head
 
     layers = args.layers if args.layers is not None else (1 if args.kind == "feature" else 2)
-    options = TrainOptions(layers=layers, shared_layers=args.shared_layers, head_width=args.head_width, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
+    options = TrainOptions(layers=layers, shared_layers=args.shared_layers, head_width=args.head_width,
+                           width=args.width, heads=args.heads, draft_vocab=args.draft_vocab, rank=args.rank,
+                           steps=args.steps, batch=args.batch, seq_len=args.seq_len,
                            lr_layers=args.lr_layers, lr_head=args.lr_head, hard_labels=args.hard_labels,
-                           seed=args.seed, estimate_every=args.estimate_every)  # checked before loading
+                           seed=args.seed, estimate_every=args.estimate_every,
+                           max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)  # checked first
+    if args.rank is not None and args.base is None:
+        raise ValueError("--rank trains a low-rank delta over a base drafter: give --base DIR too.")
     train_texts = [read_text(path, "train") for path in args.data]
     estimate_texts = [read_text(path, "estimate") for path in args.data]
     engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device,
                                dtype=DTYPES[args.dtype] if args.dtype else None)
     if engine.tokenizer is None:
         raise ValueError("Training reads text: give --tokenizer (none could be loaded with the target).")
-    chunks = token_chunks(train_texts, engine.tokenizer, options.seq_len)
-    estimate = token_chunks(estimate_texts, engine.tokenizer, options.seq_len)[: 4 * options.batch]
+    base = load_head(args.base, engine.target, args.kind) if args.base else None
+    from .demo import cache_dir
+
+    tokens = cache_dir() / "tokens"  # each data file tokenized once, for every drafter trained on it
+    chunks = token_chunks(train_texts, engine.tokenizer, options.seq_len, tokens)
+    estimate = token_chunks(estimate_texts, engine.tokenizer, options.seq_len, tokens)[: 4 * options.batch]
     print(f"training on {chunks.numel():,} tokens ({len(chunks)} sequences of {options.seq_len}); "
           f"acceptance estimated on {estimate.numel():,}")
-    head, log = train_head(args.kind, engine.target, chunks, options, estimate=estimate)
-    out = save_drafter(head, engine.target, args.out, log)
+    eos = engine.target.generation_config.eos_token_id
+    always = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    head, log = train_head(args.kind, engine.target, chunks, options, estimate=estimate, base=base, always=always)
+    out = save_drafter(head, engine.target, args.out, log, storage=args.storage, base=args.base)
+    saved = estimate_acceptance(load_head(out, engine.target, args.kind), engine.target, estimate, options.batch)
+    record = json.loads((out / "drafter.json").read_text())
+    record["training"]["alpha1_saved"] = saved  # the checkpoint as saved (int8 rows, merged deltas)
+    (out / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
+    size = (out / "drafter.safetensors").stat().st_size
     last = log["estimates"][-1]["alpha1"] if log["estimates"] else float("nan")
-    print(f"saved {out} ({sum(p.numel() for p in head.parameters()):,} parameters) after {log['seconds']:.0f} s, "
-          f"{log['tokens']:,} tokens; final loss {log['loss'][-1]:.3f}, α₁ {last:.3f}; "
-          f"use it as --draft {args.kind}:{out}")
+    print(f"saved {out} ({size / 1e6:.1f} MB) after {log['seconds']:.0f} s, {log['tokens']:,} tokens; "
+          f"final loss {log['loss'][-1]:.3f}, α₁ {last:.3f} (as saved: {saved:.3f}); use it as --draft {args.kind}:{out}")
 
 
 # ----------------------------------------------------------------------------- helpers

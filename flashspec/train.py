@@ -16,29 +16,48 @@ progress bar's acceptance estimate comes from.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import lzma
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
-from .drafters.feature import FeatureHead
+from .drafters.feature import FeatureHead, SubsetHead
 from .drafters.shallow import ShallowHead
 
-__all__ = ["KINDS", "TrainOptions", "read_text", "token_chunks", "train_head", "train_feature_head", "save_drafter",
-           "load_head", "load_feature_head"]
+__all__ = [
+    "KINDS",
+    "LowRank",
+    "TrainOptions",
+    "add_low_rank",
+    "draft_vocab",
+    "estimate_acceptance",
+    "load_feature_head",
+    "load_head",
+    "read_text",
+    "save_drafter",
+    "token_chunks",
+    "train_feature_head",
+    "train_head",
+]
 
 KINDS = ("feature", "shallow")
 
 HELDOUT = 0.05  # never read
 ESTIMATE = 0.05  # just before it: the acceptance estimate's text
 FORMAT = 1
+WARMUP = 20  # the learning rates rise linearly over the first 1/20 of the steps
+FLOOR = 0.1  # then fall on a cosine to this fraction of their peak
+CLIP = 1.0  # gradient norm clipping
 
 
 @dataclass(frozen=True)
@@ -48,6 +67,10 @@ class TrainOptions:
     layers: int = 1  # decoder layers of the drafter's own part (feature) / adapter layers (shallow)
     shared_layers: int | None = None  # shallow: the target's layers it shares (default: a quarter)
     head_width: int | None = None  # shallow: the residual MLP's width (default: the hidden size)
+    width: int | None = None  # feature: its layers' MLP width (default: the target's)
+    heads: int | None = None  # feature: its layers' query heads (default: the target's)
+    draft_vocab: int | None = None  # feature: keep the head's rows of this many most frequent tokens
+    rank: int | None = None  # train a low-rank delta of this rank over a base drafter (train_head's base)
     steps: int = 1000
     batch: int = 8  # sequences per step
     seq_len: int = 256  # tokens per sequence
@@ -56,11 +79,13 @@ class TrainOptions:
     hard_labels: bool = False  # cross-entropy against the next token instead of the target's law
     seed: int = 0
     estimate_every: int = 50  # steps between two acceptance estimates on the estimate text
+    max_seconds: float | None = None  # stop after this long even if steps remain (logged)
 
     def __post_init__(self) -> None:
-        for name in ("layers", "steps", "batch", "seq_len", "estimate_every", "shared_layers", "head_width"):
+        optional = ("shared_layers", "head_width", "width", "heads", "draft_vocab", "rank")
+        for name in ("layers", "steps", "batch", "seq_len", "estimate_every", *optional):
             value = getattr(self, name)
-            if value is None and name in ("shared_layers", "head_width"):
+            if value is None and name in optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
@@ -68,6 +93,9 @@ class TrainOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < 1):
                 raise ValueError(f"{name} must be a number in (0, 1); got {value!r}.")
+        if self.max_seconds is not None and (isinstance(self.max_seconds, bool) or not isinstance(
+                self.max_seconds, (int, float)) or not self.max_seconds > 0):
+            raise ValueError(f"max_seconds must be a number > 0 (or None); got {self.max_seconds!r}.")
         if not isinstance(self.hard_labels, bool):
             raise ValueError(f"hard_labels must be True or False; got {self.hard_labels!r}.")
 
@@ -98,15 +126,35 @@ def read_text(path: str | Path, part: str = "train") -> str:
     raise ValueError(f"part must be 'train' or 'estimate'; got {part!r}.")
 
 
-def token_chunks(texts: list[str], tokenizer: Any, seq_len: int) -> torch.Tensor:
-    """``[N, seq_len]`` token ids: the texts tokenized, joined and cut into whole chunks."""
+def token_chunks(texts: list[str], tokenizer: Any, seq_len: int, cache: str | Path | None = None) -> torch.Tensor:
+    """``[N, seq_len]`` token ids: the texts tokenized, joined and cut into whole chunks.
+
+    ``cache``: a folder keeping each text's ids (keyed by its sha256 and the tokenizer's name and
+    size), so that training several drafters on the same files tokenizes them once."""
     ids: list[int] = []
     for text in texts:
-        ids.extend(tokenizer(text)["input_ids"])
+        ids.extend(_tokenized(text, tokenizer, cache))
     count = len(ids) // seq_len
     if count == 0:
         raise ValueError(f"The training data holds {len(ids)} tokens, fewer than one sequence of {seq_len}.")
     return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
+
+
+def _tokenized(text: str, tokenizer: Any, cache: str | Path | None) -> list[int]:
+    if cache is None:
+        return tokenizer(text)["input_ids"]
+    key = hashlib.sha256(text.encode("utf-8", errors="replace"))
+    key.update(f"{getattr(tokenizer, 'name_or_path', '')}|{len(tokenizer)}".encode())
+    path = Path(cache) / f"{key.hexdigest()[:32]}.pt"
+    if path.is_file():
+        try:
+            return torch.load(path).tolist()
+        except Exception:  # noqa: BLE001 - a damaged cache entry is tokenized again
+            pass
+    ids = tokenizer(text)["input_ids"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(torch.tensor(ids, dtype=torch.int32), path)
+    return ids
 
 
 def _features_and_logits(target: Any, ids: torch.Tensor, after: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,37 +178,68 @@ def _features_and_logits(target: Any, ids: torch.Tensor, after: int | None = Non
 
 
 def _draft_logits(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """The drafter's logits at every position of ``ids`` (teacher-forced on the true features)."""
+    """The drafter's logits at every position of ``ids`` (teacher-forced on the true features);
+    over its draft vocabulary only when it has one (SPEC.md §11.4)."""
     dtype = next(head.parameters()).dtype
-    if isinstance(head, ShallowHead):
-        x = features.to(dtype)  # the target's state after its shared layers
-    else:
-        previous = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)  # f_{t-1}
-        x = head.inputs(previous.to(dtype), target.model.embed_tokens(ids).to(dtype))
-    return draft.lm_head(draft.model(inputs_embeds=x).last_hidden_state)
+    compute = next(target.parameters()).dtype
+    # float32 master weights over a 16-bit target on a GPU: the head computes in the target's dtype
+    cast = torch.autocast("cuda", dtype=compute) if features.is_cuda and compute != dtype else contextlib.nullcontext()
+    with cast:
+        if isinstance(head, ShallowHead):
+            x = features.to(dtype)  # the target's state after its shared layers
+        else:
+            previous = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)  # f_{t-1}
+            x = head.inputs(previous.to(dtype), target.model.embed_tokens(ids).to(dtype))
+        hidden = draft.model(inputs_embeds=x).last_hidden_state
+        return draft.lm_head.subset(hidden) if isinstance(draft.lm_head, SubsetHead) else draft.lm_head(hidden)
 
 
 def _feature_layer(head: Any) -> int | None:
     return head.shared_layers if isinstance(head, ShallowHead) else None
 
 
+def _vocab(head: Any) -> torch.Tensor | None:
+    return getattr(head, "vocab", None)
+
+
 def _acceptance(head: Any, draft: Any, target: Any, chunks: torch.Tensor, batch: int) -> float:
     """α₁ on ``chunks``: how often the drafter's argmax is the target's (SPEC.md §11)."""
     agree = total = 0
+    vocab = _vocab(head)
     with torch.no_grad():
         for i in range(0, len(chunks), batch):
             ids = chunks[i : i + batch].to(target.device)
             features, logits = _features_and_logits(target, ids, _feature_layer(head))
-            mine = _draft_logits(head, draft, target, ids, features)
-            agree += int((mine.argmax(-1) == logits.argmax(-1)).sum())
-            total += mine.shape[0] * mine.shape[1]
+            mine = _draft_logits(head, draft, target, ids, features).argmax(-1)
+            if vocab is not None:
+                mine = vocab[mine]
+            agree += int((mine == logits.argmax(-1)).sum())
+            total += mine.numel()
     return agree / max(total, 1)
 
 
-def new_head(kind: str, target: Any, options: TrainOptions) -> Any:
+def estimate_acceptance(head: Any, target: Any, chunks: torch.Tensor, batch: int = 8) -> float:
+    """α₁ of ``head`` on ``chunks [N, T]`` (the progress bar's estimate, for a saved head too)."""
+    return _acceptance(head, head.draft_model(target), target, chunks, batch)
+
+
+def draft_vocab(chunks: torch.Tensor, size: int, always: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
+    """The ``size`` most frequent token ids of ``chunks`` (ties: lower id first), plus ``always``
+    (e.g. the end-of-sequence ids): a reduced draft vocabulary (SPEC.md §11.4)."""
+    counts = torch.bincount(chunks.flatten())
+    order = torch.argsort(-counts, stable=True)  # most frequent first, ties by id
+    chosen = set(always)
+    for token in order[counts[order] > 0].tolist():  # only tokens that occur
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def new_head(kind: str, target: Any, options: TrainOptions, vocab: torch.Tensor | None = None) -> Any:
     """An untrained head of ``kind`` for ``target``, on its device and dtype."""
     if kind == "feature":
-        head = FeatureHead(target.config, options.layers)
+        head = FeatureHead(target.config, options.layers, options.width, options.heads, vocab)
     elif kind == "shallow":
         shared = options.shared_layers or max(1, target.config.num_hidden_layers // 4)
         head = ShallowHead(target.config, shared, options.layers, options.head_width)
@@ -171,28 +250,54 @@ def new_head(kind: str, target: Any, options: TrainOptions) -> Any:
 
 
 def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptions,
-               estimate: torch.Tensor | None = None, progress: bool = True) -> tuple[Any, dict]:
+               estimate: torch.Tensor | None = None, progress: bool = True, base: Any = None,
+               always: tuple[int, ...] = ()) -> tuple[Any, dict]:
     """Train a drafter head of ``kind`` for ``target`` (frozen) on ``chunks [N, seq_len]``; return it
-    with a log (losses, acceptance estimates, seconds, tokens seen)."""
+    with a log (losses, acceptance estimates, seconds, tokens seen).
+
+    ``base``: a trained head to start from. With ``options.rank`` only a low-rank delta of each of
+    its linear maps learns (:class:`LowRank`; a per-domain drafter over a general one, SPEC.md
+    §11.5); without, all of it trains further. ``always``: token ids a new draft vocabulary keeps."""
     torch.manual_seed(options.seed)
     device = next(target.parameters()).device
-    head = new_head(kind, target, options)
+    if options.rank is not None and base is None:
+        raise ValueError("A low-rank delta (rank) needs a base drafter to train over.")
+    if base is not None:
+        head = base
+        if options.rank is not None:
+            add_low_rank(head, options.rank)
+    else:
+        vocab = None
+        if options.draft_vocab is not None:
+            if kind != "feature":
+                raise ValueError("A reduced draft vocabulary is an option of the feature drafter only.")
+            vocab = draft_vocab(chunks, options.draft_vocab, always)
+        head = new_head(kind, target, options, vocab)
+    head = head.float()  # master weights in float32 (SPEC.md §11.3); returned in the target's dtype
     draft = head.draft_model(target)
     layer = _feature_layer(head)
+    vocab = _vocab(head)
     training = target.training
     target.eval()
     requires = {n: p.requires_grad for n, p in target.named_parameters()}
     for p in target.parameters():
         p.requires_grad_(False)  # restored below
-    if isinstance(head, ShallowHead):
-        groups = [{"params": list(head.fc1.parameters()) + list(head.fc2.parameters()), "lr": options.lr_head},
-                  {"params": head.layers.parameters(), "lr": options.lr_layers}]
-    else:
-        groups = [{"params": head.fc.parameters(), "lr": options.lr_head},
-                  {"params": head.layers.parameters(), "lr": options.lr_layers}]
+    groups = _parameter_groups(head, options)
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    warmup = max(1, options.steps // WARMUP)
+
+    def rate(step: int) -> float:  # linear warm-up, then cosine down to FLOOR of the peak
+        if step < warmup:
+            return (step + 1) / warmup
+        done = (step - warmup) / max(1, options.steps - warmup)
+        return FLOOR + (1 - FLOOR) * 0.5 * (1 + math.cos(math.pi * done))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    trainable = [p for group in groups for p in group["params"]]
     generator = torch.Generator().manual_seed(options.seed)
     log: dict[str, Any] = {"kind": kind, "options": asdict(options), "loss": [], "estimates": [], "tokens": 0}
+    if estimate is not None:
+        log["estimates"].append({"step": 0, "alpha1": _acceptance(head, draft, target, estimate, options.batch)})
     started = time.perf_counter()
     try:
         bar = tqdm(range(options.steps), disable=not progress, desc=f"training {kind} drafter", unit="step")
@@ -202,29 +307,117 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
             features, logits = _features_and_logits(target, ids, layer)
             mine = _draft_logits(head, draft, target, ids, features)[:, :-1].float()
             if options.hard_labels:
-                loss = torch.nn.functional.cross_entropy(mine.flatten(0, 1), ids[:, 1:].flatten())
+                labels = ids[:, 1:]
+                if vocab is not None:  # position in the draft vocabulary; -100 (ignored) outside it
+                    where = torch.searchsorted(vocab, labels).clamp(max=len(vocab) - 1)
+                    labels = torch.where(vocab[where] == labels, where, torch.full_like(labels, -100))
+                loss = torch.nn.functional.cross_entropy(mine.flatten(0, 1), labels.flatten(), ignore_index=-100)
             else:
                 law = torch.softmax(logits[:, :-1].float(), dim=-1)
+                if vocab is not None:
+                    law = law[..., vocab]  # the target's mass outside the draft vocabulary is lost to it
                 loss = -(law * torch.log_softmax(mine, dim=-1)).sum(-1).mean()
             if not math.isfinite(loss.item()):
                 raise ValueError(f"The training loss is not finite at step {step}: lower the learning rates.")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, CLIP)
             optimizer.step()
+            schedule.step()
             log["loss"].append(loss.item())
             log["tokens"] += ids.numel()
-            if estimate is not None and ((step + 1) % options.estimate_every == 0 or step + 1 == options.steps):
+            out_of_time = options.max_seconds is not None and time.perf_counter() - started > options.max_seconds
+            if estimate is not None and ((step + 1) % options.estimate_every == 0 or step + 1 == options.steps
+                                         or out_of_time):
                 alpha = _acceptance(head, draft, target, estimate, options.batch)
                 log["estimates"].append({"step": step + 1, "alpha1": alpha})
                 bar.set_postfix(loss=f"{loss.item():.3f}", alpha1=f"{alpha:.3f}")
             else:
                 bar.set_postfix(loss=f"{loss.item():.3f}")
+            if out_of_time:
+                log["stopped_at_step"] = step + 1  # max_seconds reached
+                break
     finally:
         for n, p in target.named_parameters():
             p.requires_grad_(requires[n])
         target.train(training)
     log["seconds"] = time.perf_counter() - started
-    return head.eval(), log
+    if device.type == "cuda":
+        log["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    return head.to(next(target.parameters()).dtype).eval(), log
+
+
+def _parameter_groups(head: Any, options: TrainOptions) -> list[dict[str, Any]]:
+    """The optimizer's groups: the head's input / output maps at ``lr_head``, its decoder layers at
+    ``lr_layers``; with a low-rank delta, only the delta's factors (same split)."""
+    if isinstance(head, ShallowHead):
+        outer = [*head.fc1.parameters(), *head.fc2.parameters()]
+    else:
+        outer = list(head.fc.parameters())
+    inner = list(head.layers.parameters())
+    if options.rank is not None:
+        factors = {id(p) for m in head.modules() if isinstance(m, LowRank) for p in m.parameters()}
+        for p in head.parameters():
+            p.requires_grad_(id(p) in factors)
+        outer = [p for m in ([head.fc1, head.fc2] if isinstance(head, ShallowHead) else [head.fc])
+                 for p in m.parameters() if id(p) in factors]
+        inner = [p for p in head.layers.parameters() if id(p) in factors]
+    return [{"params": outer, "lr": options.lr_head}, {"params": inner, "lr": options.lr_layers}]
+
+
+# ------------------------------------------------------------------ low-rank deltas (SPEC.md §11.5)
+class LowRank(nn.Module):
+    """A parametrization ``W → W + B·A`` of a linear map's weight (``A [rank, in]`` small random,
+    ``B [out, rank]`` zero, so training starts from the base drafter exactly)."""
+
+    def __init__(self, weight: torch.Tensor, rank: int) -> None:
+        super().__init__()
+        out, inp = weight.shape
+        self.A = nn.Parameter(torch.randn(rank, inp, dtype=weight.dtype, device=weight.device) / math.sqrt(inp))
+        self.B = nn.Parameter(torch.zeros(out, rank, dtype=weight.dtype, device=weight.device))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + self.B @ self.A
+
+
+def _linears(head: Any) -> dict[str, nn.Linear]:
+    """The head's own linear maps by state-dict name (the target's shared modules excluded)."""
+    return {name: m for name, m in head.named_modules() if isinstance(m, nn.Linear)}
+
+
+def add_low_rank(head: Any, rank: int) -> None:
+    """Give every linear map of ``head`` a trainable low-rank delta (:class:`LowRank`)."""
+    from torch.nn.utils import parametrize
+
+    for module in _linears(head).values():
+        if not parametrize.is_parametrized(module, "weight"):
+            parametrize.register_parametrization(module, "weight", LowRank(module.weight, rank))
+
+
+def low_rank_factors(head: Any) -> dict[str, torch.Tensor]:
+    """``{name.A, name.B}`` of every delta of ``head`` (what a delta checkpoint stores)."""
+    from torch.nn.utils import parametrize
+
+    out = {}
+    for name, module in _linears(head).items():
+        if parametrize.is_parametrized(module, "weight"):
+            delta = module.parametrizations.weight[0]
+            out[f"{name}.A"], out[f"{name}.B"] = delta.A.detach(), delta.B.detach()
+    return out
+
+
+def merge_low_rank(head: Any, factors: dict[str, torch.Tensor]) -> None:
+    """Add ``B·A`` to each named linear map's weight in place (loading a delta checkpoint)."""
+    linears = _linears(head)
+    names = {key.rsplit(".", 1)[0] for key in factors}
+    unknown = sorted(names - set(linears))
+    if unknown:
+        raise ValueError(f"The low-rank delta names maps its base drafter lacks: {', '.join(unknown[:3])}.")
+    with torch.no_grad():
+        for name in names:
+            weight = linears[name].weight
+            delta = factors[f"{name}.B"].to(torch.float32) @ factors[f"{name}.A"].to(torch.float32)
+            weight.copy_((weight.to(torch.float32) + delta.to(weight.device)).to(weight.dtype))
 
 
 def train_feature_head(target: Any, chunks: torch.Tensor, options: TrainOptions,
@@ -236,14 +429,15 @@ def train_feature_head(target: Any, chunks: torch.Tensor, options: TrainOptions,
 # ------------------------------------------------------------------ checkpoints
 def shared_checksum(target: Any, shared_layers: int = 0) -> str:
     """sha256 of the target tensors a drafter shares: embedding, final norm, output head, and the
-    first ``shared_layers`` decoder layers."""
+    first ``shared_layers`` decoder layers, each rounded to bfloat16 (so that a checkpoint trained
+    on a GPU in bfloat16 loads onto the same target in float32 on a CPU)."""
     digest = hashlib.sha256()
     tensors = [target.model.embed_tokens.weight, target.model.norm.weight, target.lm_head.weight]
     for layer in target.model.layers[:shared_layers]:
         tensors.extend(p for _, p in sorted(layer.named_parameters()))
-    for tensor in tensors:
-        data = tensor.detach().to("cpu").contiguous()
-        digest.update(str((tuple(data.shape), str(data.dtype))).encode())
+    for tensor in tensors:  # rounded to bfloat16: the same target loaded in float32 or bfloat16 matches
+        data = tensor.detach().to("cpu", torch.bfloat16).contiguous()
+        digest.update(str(tuple(data.shape)).encode())
         digest.update(data.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
@@ -260,40 +454,119 @@ def _kind(head: Any) -> str:
     return "shallow" if isinstance(head, ShallowHead) else "feature"
 
 
-def save_drafter(head: Any, target: Any, out_dir: str | Path, log: dict | None = None) -> Path:
-    """Write ``drafter.safetensors`` (the trainable part only) and ``drafter.json``."""
+STORAGE = ("int8", "same")
+SCALE = ".int8_scale"
+
+
+def _quantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every matrix as int8 rows with one scale per row (``name`` and ``name.int8_scale``), SPEC.md
+    §11.4: half the bytes of bfloat16; other tensors as they are."""
+    out = {}
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and tensor.dim() == 2:
+            wide = tensor.to(torch.float32)
+            scale = wide.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+            out[name] = torch.round(wide / scale).clamp(-127, 127).to(torch.int8)
+            out[name + SCALE] = scale.to(torch.float32)
+        else:
+            out[name] = tensor
+    return out
+
+
+def _dequantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(SCALE):
+            continue
+        scale = tensors.get(name + SCALE)
+        out[name] = tensor if scale is None else tensor.to(torch.float32) * scale
+    return out
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def save_drafter(head: Any, target: Any, out_dir: str | Path, log: dict | None = None, *,
+                 storage: str = "int8", base: str | Path | None = None) -> Path:
+    """Write ``drafter.safetensors`` (the trainable part only) and ``drafter.json``.
+
+    ``storage="int8"`` keeps matrices as int8 rows with a scale each (SPEC.md §11.4), ``"same"``
+    in the head's dtype. ``base``: the folder of the drafter this head's low-rank deltas were
+    trained over (:func:`add_low_rank`); only the deltas are written, and the checkpoint names its
+    base by a path relative to ``out_dir`` and the base weights' sha256."""
     from safetensors.torch import save_file
 
+    if storage not in STORAGE:
+        raise ValueError(f"storage must be one of {', '.join(STORAGE)}; got {storage!r}.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    save_file(tensors, str(out / "drafter.safetensors"))
+    if base is not None:
+        tensors = low_rank_factors(head)
+        if not tensors:
+            raise ValueError("This head has no low-rank deltas to save over a base drafter.")
+        storage = "same"
+    else:
+        tensors = {k: v for k, v in head.state_dict().items() if "parametrizations" not in k}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(_quantized(tensors) if storage == "int8" else tensors, str(out / "drafter.safetensors"))
     shared = getattr(head, "shared_layers", 0)
-    record = {"format": FORMAT, "kind": _kind(head), "layers": len(head.layers), "target": _target_record(target, shared),
-              "dtype": str(next(head.parameters()).dtype).removeprefix("torch."), "training": log or {}}
+    record: dict[str, Any] = {"format": FORMAT, "kind": _kind(head), "layers": len(head.layers),
+                              "target": _target_record(target, shared), "storage": storage,
+                              "dtype": str(next(head.parameters()).dtype).removeprefix("torch.")}
     if isinstance(head, ShallowHead):
         record.update(shared_layers=head.shared_layers, head_width=head.fc1.out_features)
+    else:
+        record.update(head.design)
+    if base is not None:
+        base = Path(base)
+        record["base"] = {"path": os.path.relpath(base.resolve(), out.resolve()),
+                          "sha256": _file_sha256(base / "drafter.safetensors")}
+        record["rank"] = int(next(iter(tensors.values())).shape[0])
+    record["training"] = log or {}
     (out / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
     return out
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    meta_path = folder / "drafter.json"
+    if not meta_path.is_file():
+        raise ValueError(f"{str(folder)!r} is not a drafter checkpoint (no drafter.json there).")
+    try:
+        return json.loads(meta_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{str(meta_path)!r} is corrupt: {error}") from None
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return _dequantized(load_file(str(folder / "drafter.safetensors")))
+    except Exception as error:  # noqa: BLE001 - a truncated or foreign file
+        raise ValueError(f"Could not read the drafter weights in {str(folder)!r} (corrupt or truncated?): "
+                         f"{type(error).__name__}: {str(error)[:200]}") from None
 
 
 def load_head(path: str | Path, target: Any, kind: str | None = None) -> Any:
     """The drafter head saved in folder ``path`` for ``target``, on its device and dtype. A
     checkpoint of another kind, or made for another target (architecture, sizes or shared
-    weights), is a ValueError."""
-    from safetensors.torch import load_file
-
+    weights), is a ValueError. A delta checkpoint loads its base first and adds its deltas."""
     folder = Path(path)
-    meta_path = folder / "drafter.json"
-    if not meta_path.is_file():
-        raise ValueError(f"{str(folder)!r} is not a drafter checkpoint (no drafter.json there).")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{str(meta_path)!r} is corrupt: {error}") from None
+    meta = _read_meta(folder)
     if meta.get("format") != FORMAT or meta.get("kind") not in KINDS or kind not in (None, meta.get("kind")):
         raise ValueError(f"{str(folder)!r} holds a {meta.get('kind')!r} drafter of format {meta.get('format')!r}; "
                          f"expected {kind or ' or '.join(KINDS)} of format {FORMAT}.")
+    if "base" in meta:
+        base_folder = (folder / meta["base"]["path"]).resolve()
+        if not (base_folder / "drafter.safetensors").is_file():
+            raise ValueError(f"The drafter in {str(folder)!r} is a delta over {str(base_folder)!r}, which is missing.")
+        if _file_sha256(base_folder / "drafter.safetensors") != meta["base"]["sha256"]:
+            raise ValueError(f"The drafter in {str(folder)!r} was trained over another version of its base "
+                             f"{str(base_folder)!r} (checksum differs).")
+        head = load_head(base_folder, target, meta["kind"])
+        merge_low_rank(head, _read_tensors(folder))
+        return head
     shared = int(meta.get("shared_layers", 0))
     mine, theirs = _target_record(target, shared), meta.get("target", {})
     for key in ("model_type", "hidden_size", "vocab_size", "shared_sha256"):
@@ -301,12 +574,14 @@ def load_head(path: str | Path, target: Any, kind: str | None = None) -> Any:
             what = "its shared weights differ" if key == "shared_sha256" else f"{key} {theirs.get(key)!r} ≠ {mine[key]!r}"
             raise ValueError(f"The drafter in {str(folder)!r} was trained for another target "
                              f"({theirs.get('name_or_path') or 'unnamed'}): {what}.")
+    tensors = _read_tensors(folder)
     if meta["kind"] == "shallow":
         head: Any = ShallowHead(target.config, shared, int(meta["layers"]), int(meta["head_width"]))
     else:
-        head = FeatureHead(target.config, int(meta["layers"]))
+        vocab = tensors.get("vocab")
+        head = FeatureHead(target.config, int(meta["layers"]), meta.get("width"), meta.get("heads"), vocab)
     try:
-        head.load_state_dict(load_file(str(folder / "drafter.safetensors")))
+        head.load_state_dict(tensors)
     except Exception as error:  # noqa: BLE001 - a truncated or foreign file
         raise ValueError(f"Could not read the drafter weights in {str(folder)!r} (corrupt or truncated?): "
                          f"{type(error).__name__}: {str(error)[:200]}") from None

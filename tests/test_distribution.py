@@ -92,7 +92,23 @@ def _shallow_checkpoint() -> str:
     return folder
 
 
+def _compact_checkpoint() -> str:
+    """A compact feature drafter (SPEC.md §11.4): a narrow MLP, 2 query heads, int8 storage and a
+    draft vocabulary of 5 of the 8 tokens, so the other 3 come only from the residual."""
+    import tempfile
+
+    from flashspec import FeatureHead
+    from flashspec.train import save_drafter
+
+    folder = tempfile.mkdtemp(prefix="flashspec-compact-")
+    torch.manual_seed(13)
+    head = FeatureHead(TARGET.config, 1, width=16, heads=2, vocab=torch.tensor([0, 1, 2, 3, 5]))
+    save_drafter(head, TARGET, folder)
+    return folder
+
+
 FEATURE = _feature_checkpoint()
+COMPACT = _compact_checkpoint()
 SHALLOW = _shallow_checkpoint()
 
 
@@ -164,6 +180,7 @@ DRAFTERS = {
     "early-exit-all": lambda: "early-exit:2",  # every layer: p == q up to rounding
     "feature": lambda: f"feature:{FEATURE}",  # reads the target's features: p != q
     "shallow": lambda: f"shallow:{SHALLOW}",  # the target's first layer and an adapter: p != q
+    "compact": lambda: f"feature:{COMPACT}",  # a draft vocabulary: q is 0 on 3 of the 8 tokens
     "none": lambda: None,  # target-only decoding through the same loop
 }
 
@@ -187,6 +204,8 @@ CASES = [
     ("feature", 1.2, 0, 1.0, 3),
     ("shallow", 0.7, 0, 0.85, 1),
     ("shallow", 1.1, 6, 1.0, 3),
+    ("compact", 0.8, 0, 0.9, 3),
+    ("compact", 1.3, 4, 1.0, 1),
     ("none", 0.7, 0, 0.9, 4),
 ]
 

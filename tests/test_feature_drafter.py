@@ -37,7 +37,7 @@ def self_generated(target):
 
 @pytest.fixture(scope="module")
 def trained(target, self_generated, tmp_path_factory):
-    options = TrainOptions(steps=120, batch=8, seq_len=32, lr_layers=3e-3, lr_head=3e-3, estimate_every=60)
+    options = TrainOptions(steps=120, batch=8, seq_len=32, lr_layers=1e-2, lr_head=1e-2, estimate_every=60)
     head, log = train_feature_head(target, self_generated[:40], options, estimate=self_generated[40:], progress=False)
     folder = tmp_path_factory.mktemp("feature")
     save_drafter(head, target, folder, log)
@@ -187,7 +187,8 @@ def test_bad_training_options(options, message):
 
 
 @pytest.mark.parametrize("kind", ["feature", "shallow"])
-def test_train_drafter_command_trains_saves_and_the_engine_loads_it(kind, tmp_path, capsys):
+def test_train_drafter_command_trains_saves_and_the_engine_loads_it(kind, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLASHSPEC_CACHE", str(tmp_path / "cache"))  # its token cache
     from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -205,10 +206,180 @@ def test_train_drafter_command_trains_saves_and_the_engine_loads_it(kind, tmp_pa
     assert f"{kind}:" in capsys.readouterr().out
     record = json.loads((tmp_path / "drafter" / "drafter.json").read_text())
     assert record["kind"] == kind
-    assert len(record["training"]["loss"]) == 6 and len(record["training"]["estimates"]) == 2
+    assert len(record["training"]["loss"]) == 6
+    assert [e["step"] for e in record["training"]["estimates"]] == [0, 3, 6]  # before training, then every 3
+    assert 0 <= record["training"]["alpha1_saved"] <= 1  # re-estimated on the checkpoint as saved
     engine = SpeculativeEngine(str(tmp_path / "target"), [f"{kind}:{tmp_path / 'drafter'}"], device="cpu")
     prompt = [[ord(c) for c in "def f3(x):\n"]]
     assert engine.generate(prompt, max_new_tokens=10, eos_token_id=[]).sequences == _reference(model, prompt, 10)
     assert main(["train-drafter", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "nope.txt"),
                  "--out", str(tmp_path / "x"), "--device", "cpu"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ compact designs (SPEC.md §11.4, §11.5)
+def _compact_head(model, seed=0, vocab=None):
+    torch.manual_seed(seed)
+    head = FeatureHead(model.config, 1, width=24, heads=2, vocab=vocab)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(3.0)  # an untrained head that changes the law a lot
+    return head
+
+
+def test_subset_head_is_the_target_head_on_its_rows_and_minus_infinity_elsewhere():
+    from flashspec.drafters.feature import SubsetHead
+
+    model = tiny_model("llama", seed=1, vocab_size=64)
+    vocab = torch.tensor([0, 5, 17, 63])
+    head = SubsetHead(model.lm_head, vocab)
+    x = torch.randn(2, 3, model.config.hidden_size)
+    full, reference = head(x), model.lm_head(x)
+    assert full.shape == reference.shape
+    torch.testing.assert_close(full[..., vocab], reference[..., vocab])
+    others = torch.ones(64, dtype=torch.bool)
+    others[vocab] = False
+    assert torch.isneginf(full[..., others]).all()
+    assert head.weight.data_ptr() != model.lm_head.weight.data_ptr() and "weight" not in dict(head.named_parameters())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compact_feature_drafter_with_a_draft_vocabulary_is_token_for_token_the_target(arch, tmp_path):
+    model = tiny_model(arch, seed=8, vocab_size=64)
+    head = _compact_head(model, vocab=torch.arange(0, 64, 3))  # drafts only every third token
+    assert head.layers[0].mlp.gate_proj.out_features == 24 and head.layers[0].self_attn.q_proj.out_features == 2 * (
+        model.config.hidden_size // model.config.num_attention_heads)
+    save_drafter(head, model, tmp_path)
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3]]
+    engine = SpeculativeEngine(model, [f"feature:{tmp_path}"], device="cpu")
+    for gamma in (1, 4):
+        out = engine.generate(prompts, max_new_tokens=12, num_draft_tokens=gamma, eos_token_id=[])
+        assert out.sequences == _reference(model, prompts, 12)
+
+
+def test_int8_storage_halves_the_bytes_and_keeps_each_row_within_half_a_step(tmp_path):
+    model = tiny_model("llama", seed=9, vocab_size=64)
+    head = _compact_head(model)
+    save_drafter(head, model, tmp_path / "int8")
+    save_drafter(head, model, tmp_path / "same", storage="same")
+    loaded, exact = load_head(tmp_path / "int8", model), load_head(tmp_path / "same", model)
+    for (name, original), q, e in zip(head.state_dict().items(), loaded.state_dict().values(), exact.state_dict().values()):
+        assert torch.equal(original, e), name  # "same" storage is bit-exact
+        if original.dim() == 2:
+            step = original.abs().amax(dim=1, keepdim=True) / 127
+            assert ((q - original).abs() <= step / 2 + 1e-7).all(), name
+    saved = (tmp_path / "int8" / "drafter.safetensors").stat().st_size
+    assert saved < (tmp_path / "same" / "drafter.safetensors").stat().st_size / 2  # float32 → int8 (+ scales)
+    with pytest.raises(ValueError, match="storage must be"):
+        save_drafter(head, model, tmp_path / "x", storage="fp4")
+
+
+def test_draft_vocab_keeps_the_most_frequent_tokens_and_the_ones_asked_for():
+    from flashspec.train import draft_vocab
+
+    chunks = torch.tensor([[5, 5, 5, 2, 2, 9], [9, 9, 9, 9, 1, 0]])
+    assert draft_vocab(chunks, 2).tolist() == [5, 9]
+    assert draft_vocab(chunks, 3, always=(7,)).tolist() == [5, 7, 9]
+    assert draft_vocab(chunks, 100).tolist() == [0, 1, 2, 5, 9]  # only tokens that occur
+
+
+def test_training_with_a_draft_vocabulary_learns_and_reports_acceptance(target, self_generated, tmp_path):
+    options = TrainOptions(steps=60, batch=8, seq_len=32, lr_layers=3e-3, lr_head=3e-3, estimate_every=30,
+                           draft_vocab=40, width=32)
+    head, log = train_head("feature", target, self_generated[:40], options, estimate=self_generated[40:],
+                           progress=False)
+    assert head.vocab.numel() == 40 and head.design["vocab"] == 40
+    assert log["loss"][-1] < log["loss"][0]
+    assert log["estimates"][-1]["alpha1"] > log["estimates"][0]["alpha1"]
+    save_drafter(head, target, tmp_path, log)
+    assert torch.equal(load_head(tmp_path, target).vocab, head.vocab)
+    with pytest.raises(ValueError, match="feature drafter only"):
+        train_head("shallow", target, self_generated[:40], TrainOptions(steps=1, draft_vocab=8), progress=False)
+
+
+def test_a_low_rank_delta_starts_at_its_base_trains_alone_and_loads_over_it(target, self_generated, trained, tmp_path):
+    base_folder, _ = trained
+    base = load_head(base_folder, target)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    options = TrainOptions(steps=30, batch=8, seq_len=32, lr_layers=3e-3, lr_head=3e-3, estimate_every=30, rank=2)
+    head, log = train_head("feature", target, self_generated[:40], options, estimate=self_generated[40:],
+                           progress=False, base=base)
+    assert log["estimates"][0]["step"] == 0  # B = 0: the delta starts at the base exactly
+    assert log["loss"][-1] < log["loss"][0]
+    originals = {k.replace(".parametrizations.weight.original", ".weight"): v for k, v in head.state_dict().items()
+                 if not k.endswith((".A", ".B"))}
+    for name, value in before.items():  # the base's own weights never moved: only the factors learned
+        assert torch.equal(originals[name], value), name
+    out = save_drafter(head, target, tmp_path / "code", log, base=base_folder)
+    record = json.loads((out / "drafter.json").read_text())
+    assert record["base"]["path"].endswith(base_folder.name) and record["rank"] == 2
+    from safetensors.torch import load_file
+
+    assert all(k.endswith((".A", ".B")) for k in load_file(str(out / "drafter.safetensors")))
+    merged = load_head(out, target)
+    x = torch.randn(1, 5, 2 * target.config.hidden_size)
+    torch.testing.assert_close(merged.fc(x), head.fc(x), rtol=1e-4, atol=1e-5)  # W + B·A, merged
+    prompts = [[3, 1, 4, 1, 5]]
+    engine = SpeculativeEngine(target, [f"feature:{out}"], device="cpu")
+    assert engine.generate(prompts, max_new_tokens=10, eos_token_id=[]).sequences == _reference(target, prompts, 10)
+    # a changed base is refused, as is a delta without one
+    changed = load_head(base_folder, target)
+    with torch.no_grad():
+        changed.fc.bias.add_(1.0)
+    save_drafter(changed, target, tmp_path / "other", storage="same")
+    record["base"]["path"] = "../other"
+    (out / "drafter.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="another version of its base"):
+        load_head(out, target)
+    with pytest.raises(ValueError, match="needs a base drafter"):
+        train_head("feature", target, self_generated[:40], TrainOptions(steps=1, rank=2), progress=False)
+
+
+@pytest.mark.parametrize("bad,message", [({"width": 0}, "width"), ({"heads": 3}, "heads must divide"),
+                                         ({"vocab": torch.tensor([1, 1])}, "distinct"),
+                                         ({"vocab": torch.tensor([64])}, "distinct")])
+def test_compact_designs_refuse_bad_sizes(bad, message):
+    model = tiny_model("llama", seed=1, vocab_size=64)
+    with pytest.raises(ValueError, match=message):
+        FeatureHead(model.config, 1, **bad)
+
+
+def test_token_chunks_cache_returns_the_same_ids_and_survives_a_damaged_entry(tmp_path):
+    from flashspec.train import token_chunks
+
+    class Tokenizer:
+        name_or_path, calls = "chars", 0
+
+        def __len__(self):
+            return 128
+
+        def __call__(self, text):
+            Tokenizer.calls += 1
+            return {"input_ids": [ord(c) % 128 for c in text]}
+
+    texts = ["hello world " * 20, "another text " * 10]
+    fresh = token_chunks(texts, Tokenizer(), 16)
+    cached = token_chunks(texts, Tokenizer(), 16, tmp_path)
+    again = token_chunks(texts, Tokenizer(), 16, tmp_path)
+    assert torch.equal(fresh, cached) and torch.equal(cached, again)
+    assert Tokenizer.calls == 4  # twice without the cache, twice to fill it, none from it
+    for entry in tmp_path.iterdir():
+        entry.write_bytes(b"damaged")
+    assert torch.equal(token_chunks(texts, Tokenizer(), 16, tmp_path), fresh)
+
+
+def test_max_seconds_stops_training_early_and_says_so(target, self_generated):
+    options = TrainOptions(steps=10_000, batch=2, seq_len=32, max_seconds=0.5, estimate_every=10_000)
+    _, log = train_feature_head(target, self_generated[:40], options, estimate=self_generated[40:], progress=False)
+    assert 1 <= log["stopped_at_step"] < 10_000 == options.steps
+    assert len(log["loss"]) == log["stopped_at_step"] and log["estimates"][-1]["step"] == log["stopped_at_step"]
+    with pytest.raises(ValueError, match="max_seconds"):
+        TrainOptions(max_seconds=0)
+
+
+def test_a_checkpoint_trained_in_bfloat16_loads_onto_the_same_target_in_float32(tmp_path):
+    model = tiny_model("qwen2", seed=3, vocab_size=64)
+    half = tiny_model("qwen2", seed=3, vocab_size=64).to(torch.bfloat16)
+    save_drafter(FeatureHead(half.config, 1).to(torch.bfloat16), half, tmp_path)
+    head = load_head(tmp_path, model)  # float32 target, bf16-trained head: the same shared weights
+    assert next(head.parameters()).dtype == torch.float32

@@ -54,6 +54,21 @@ def feature_checkpoint(target) -> str:
     return folder
 
 
+def compact_checkpoint(target) -> str:
+    """A compact feature drafter (SPEC.md §11.4): narrow MLP, 2 query heads, a draft vocabulary of
+    every third token, int8 storage."""
+    import tempfile
+
+    from flashspec import FeatureHead
+    from flashspec.train import save_drafter
+
+    folder = tempfile.mkdtemp(prefix="flashspec-compact-gpu-")
+    torch.manual_seed(5)
+    vocab = torch.arange(0, target.config.vocab_size, 3)
+    save_drafter(FeatureHead(target.config, 1, width=48, heads=2, vocab=vocab), target, folder)
+    return folder
+
+
 def shallow_checkpoint(target) -> str:
     """An untrained (seeded) shallow drafter for ``target``: its first layer, then an adapter."""
     import tempfile
@@ -72,12 +87,14 @@ def drafters_for(drafter: str, target, dtype=torch.float32) -> list:
     return {"model": lambda: [tiny(arch, 1, dtype)], "ngram": lambda: ["ngram"], "none": lambda: [],
             "early-exit": lambda: ["early-exit:1"], "early-exit-all": lambda: ["early-exit:2"],
             "feature": lambda: [f"feature:{feature_checkpoint(target)}"],
-            "shallow": lambda: [f"shallow:{shallow_checkpoint(target)}"]}[drafter]()
+            "shallow": lambda: [f"shallow:{shallow_checkpoint(target)}"],
+            "compact": lambda: [f"feature:{compact_checkpoint(target)}"]}[drafter]()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("gamma", [1, 4])
-@pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit", "early-exit-all", "feature", "shallow", "none"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit", "early-exit-all", "feature", "shallow", "compact",
+                                     "none"])
 def test_graphs_greedy_matches_hf_generate_float32(arch, gamma, drafter):
     target = tiny(arch, 0)
     drafters = drafters_for(drafter, target)
@@ -107,7 +124,7 @@ def test_graph_replays_equal_eager_steps(do_sample):
     assert a == b == c
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit", "feature", "shallow", "none"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit", "feature", "shallow", "compact", "none"])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(do_sample=True, temperature=0.7),
                                     SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, top_k=20)])
 def test_steady_state_steps_do_not_synchronise(drafter, params):

@@ -5,7 +5,8 @@ of decompressed bytes (from the first line start after the 95 % mark, :data:`HEL
 is held out: no training script reads it, and benchmark prompts come from there
 (:func:`heldout_prompts`). The 5 % just before it is training text that learners may warm up on
 (``part="train"``), and :func:`training_text` / :func:`store_drafters` index the end of the
-first 95 % for retrieval drafters.
+first 95 % for retrieval drafters. :func:`chat_requests` wraps snippets of the same text in a
+user instruction and the tokenizer's chat template (requests as a chat model receives them).
 """
 
 from __future__ import annotations
@@ -15,10 +16,32 @@ import random
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DOMAINS", "HELDOUT_FRACTION", "heldout_prompts", "heldout_text", "store_drafters", "training_text"]
+__all__ = ["CHAT_INSTRUCTIONS", "DOMAINS", "HELDOUT_FRACTION", "chat_requests", "heldout_prompts", "heldout_text",
+           "store_drafters", "training_text"]
 
 DOMAINS = {"code": "code.txt.xz", "prose": "prose.txt.xz", "chat": "dialogue.txt.xz"}
 HELDOUT_FRACTION = 0.05
+# The user instructions a chat request wraps its snippet ({s}) in, per domain: continuations and
+# free-form tasks, so that answers range from near-copies of the snippet to new text.
+CHAT_INSTRUCTIONS = {
+    "code": (
+        "Complete this code:\n```\n{s}\n```",
+        "Explain what this code does:\n```\n{s}\n```",
+        "Write a function in the same style as:\n```\n{s}\n```",
+        "Write unit tests for:\n```\n{s}\n```",
+    ),
+    "prose": (
+        "Continue this passage:\n{s}",
+        "Summarize this text:\n{s}",
+        "Write a short story that begins like this:\n{s}",
+        "What do you think the author wants the reader to feel here, and why?\n{s}",
+    ),
+    "chat": (
+        "{s}\n\nContinue this conversation.",
+        "{s}\n\nReply as the next speaker.",
+        "{s}\n\nWhat advice would you give here?",
+    ),
+}
 
 
 def _split(corpus_dir: Path, domain: str) -> tuple[bytes, int]:
@@ -89,3 +112,55 @@ def heldout_prompts(
         if len(ids) == prompt_tokens:
             prompts.append(ids)
     return prompts
+
+
+def _chat_ids(tokenizer: Any, content: str) -> list[int]:
+    """``content`` as one user turn through the tokenizer's chat template, generation prompt
+    added: token ids (whether the tokenizer returns a list, a tensor or a BatchEncoding)."""
+    if not hasattr(tokenizer, "apply_chat_template") or getattr(tokenizer, "chat_template", "") is None:
+        raise ValueError("Chat requests need a tokenizer with a chat template; this one has none "
+                         "(use style 'text', or a chat model's tokenizer).")
+    try:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            tokenize=True)
+    except ValueError as error:
+        raise ValueError(f"Chat requests need a tokenizer with a chat template: {error}") from None
+    if hasattr(ids, "keys"):  # BatchEncoding / dict
+        ids = ids["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if ids and isinstance(ids[0], (list, tuple)):  # a batch of one conversation
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+def chat_requests(
+    corpus_dir: Path, domain: str, count: int, tokenizer: Any, seed: int = 0, part: str = "heldout",
+    snippet_tokens: int = 192,
+) -> list[list[int]]:
+    """``count`` chat-formatted requests: each a random line-start snippet of ``snippet_tokens``
+    tokens of the domain's held-out text (``part="train"``: training text, as in
+    :func:`heldout_prompts`) inside a user instruction drawn from :data:`CHAT_INSTRUCTIONS`,
+    tokenized through the tokenizer's chat template with the generation prompt (fixed seed)."""
+    for name, value in (("count", count), ("snippet_tokens", snippet_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
+    text = heldout_text(corpus_dir, domain, part)
+    _chat_ids(tokenizer, "")  # no chat template: say so before cutting snippets
+    line_starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n" and i + 1 < len(text)]
+    candidates = line_starts[: max(1, int(len(line_starts) * 0.9))]
+    rng = random.Random(f"chat-{domain}-{seed}")
+    requests: list[list[int]] = []
+    attempts = 0
+    while len(requests) < count:
+        attempts += 1
+        if attempts > 100 * count:
+            raise ValueError(f"The {part} text of {domain!r} is too short for snippets of {snippet_tokens} tokens.")
+        start = rng.choice(candidates)
+        template = rng.choice(CHAT_INSTRUCTIONS[domain])
+        ids = tokenizer(text[start : start + 8 * snippet_tokens])["input_ids"][:snippet_tokens]
+        if len(ids) < snippet_tokens:
+            continue
+        snippet = tokenizer.decode(ids, skip_special_tokens=True).strip("\n")
+        requests.append(_chat_ids(tokenizer, template.format(s=snippet)))
+    return requests

@@ -1,8 +1,9 @@
 """``flashspec bench e2e``: FlashSpec side by side with what users would pick instead, in one run.
 
-One process, one target, the same held-out prompts. For every regime (prompt and output length)
-and batch size, each group of prompts is decoded by every system in turn before the next group
-starts, so all systems see the same machine state; the tables report medians and paired ratios.
+One process, one target, the same held-out prompts (``--style chat``: chat-formatted requests).
+For every regime (prompt and output length) and batch size, each group of prompts is decoded
+by every system in turn before the next group starts, so all systems see the same machine state;
+the tables report medians and paired ratios.
 
 Systems come from :data:`FAMILIES`, a list of small entries: Hugging Face ``generate()`` (plain,
 static cache, assisted by each model drafter, prompt lookup) and FlashSpec (target-only, every
@@ -38,13 +39,20 @@ from ..cache import StaticLM, make_lm
 from ..drafters import History, ModelDrafter, NgramDrafter
 from ..engine import SpeculativeEngine
 from ..sampling import SamplingParams
-from .corpus import DOMAINS, HELDOUT_FRACTION, heldout_prompts, store_drafters
+from .corpus import (
+    DOMAINS,
+    HELDOUT_FRACTION,
+    chat_requests,
+    heldout_prompts,
+    store_drafters,
+)
 from .results import pyplot, save_figure, write_results
 from .timing import best_seconds, forward_seconds, measured
 
 __all__ = [
     "FAMILIES",
     "REGIMES",
+    "STYLES",
     "Regime",
     "check_options",
     "make_prompts",
@@ -54,6 +62,7 @@ __all__ = [
     "write",
 ]
 
+STYLES = ("text", "chat")  # prompt styles: corpus continuations, chat-formatted requests
 HF_LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens: the value transformers' docs use
 BANDIT_SELECTOR = "thompson"
 
@@ -127,9 +136,19 @@ def _is_model(drafter: Any) -> bool:
     return isinstance(drafter, torch.nn.Module)
 
 
+SELF_DRAFTER_PREFIXES = ("early-exit:", "feature:", "shallow:")  # drafters the engine makes from the target
+
+
+def _is_self_drafter(drafter: Any) -> bool:
+    """``early-exit:N``, ``feature:DIR`` or ``shallow:DIR``: a spec the engine turns into a
+    drafter sharing the target's weights and cache (passed to it as the string)."""
+    return isinstance(drafter, str) and drafter.startswith(SELF_DRAFTER_PREFIXES)
+
+
 def _plain_drafter(drafter: Any) -> Any:
-    """``"ngram"`` → a fresh NgramDrafter; a (stateless) drafter object is shared as it is."""
-    return NgramDrafter() if isinstance(drafter, str) else drafter
+    """``"ngram"`` → a fresh NgramDrafter; a self-drafter spec stays a string (the engine builds
+    it on its own target); a (stateless) drafter object is shared as it is."""
+    return NgramDrafter() if drafter == "ngram" else drafter
 
 
 @dataclass
@@ -154,7 +173,10 @@ class Setup:
             else _plain_drafter(self.drafters[n])
             for n in names
         ]
-        return SpeculativeEngine(self.target, drafters, gammas=gammas, compile=self.compile, **options)
+        engine = SpeculativeEngine(self.target, drafters, gammas=gammas, compile=self.compile, **options)
+        for n, d in zip(names, engine.drafters):  # the engine names self-drafters "early-exit:N": use ours
+            d.name = n
+        return engine
 
 
 @dataclass(eq=False)
@@ -431,11 +453,24 @@ def parse_ints(text: str, what: str) -> list[int]:
 
 def make_prompts(
     regimes: dict[str, Regime], count: int, *, tokenizer: Any = None, corpus: Path | None = None,
-    vocab_size: int | None = None, seed: int = 0,
+    vocab_size: int | None = None, seed: int = 0, style: str = "text", snippet_tokens: int = 192,
 ) -> dict[str, dict[str, list[list[int]]]]:
     """Prompts per regime and domain: held-out corpus text (``tokenizer`` and ``corpus``), or
-    random token ids in one domain ``"random"`` (``vocab_size``; for random-weight models)."""
+    random token ids in one domain ``"random"`` (``vocab_size``; for random-weight models).
+
+    ``style="chat"``: chat-formatted requests (:func:`~flashspec.bench.corpus.chat_requests`),
+    the same for every regime and kept whole: the regimes' prompt lengths are ignored (cutting
+    a request would drop its chat template's generation prompt); only their new tokens apply.
+    ``snippet_tokens``: the corpus snippet's length inside each chat request."""
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {', '.join(STYLES)}; got {style!r}.")
     longest = max(r.max_prompt for r in regimes.values())
+    if style == "chat":
+        if tokenizer is None or corpus is None:
+            raise ValueError("Chat prompts need a tokenizer with a chat template and the corpus folder (--corpus).")
+        requests = {d: chat_requests(Path(corpus), d, count, tokenizer, seed, snippet_tokens=snippet_tokens)
+                    for d in DOMAINS}
+        return {name: {d: [list(p) for p in ps] for d, ps in requests.items()} for name in regimes}
     if tokenizer is not None:
         if corpus is None:
             raise ValueError("Corpus prompts need the corpus folder (--corpus).")
@@ -500,6 +535,10 @@ def forward_costs(target: Any, drafters: dict[str, Any], gammas: list[int], cont
     one = result["target_seconds"]["1"]
     result["drafters"] = {}
     for name, d in drafters.items():
+        if _is_self_drafter(d):
+            result.setdefault("not_timed", {})[name] = ("made from the target (its layers on its cache): "
+                                                        "not timed here, no analytic prediction")
+            continue
         if not _is_model(d):
             tokens = torch.randint(0, vocab, (batch, max(capacity, context + 1)), generator=gen).to(device)
             history = History(tokens, torch.full((batch,), context, device=device), None, context)
@@ -723,7 +762,8 @@ def _summarize_cell(cell: dict[str, Any], chosen: list[System], names: list[str]
             if selection and steps:
                 row["selection_us_per_step"] = sum(selection) / len(steps) * 1e6
                 row["selection_share_of_step"] = sum(selection) / sum(steps)
-            if system.gamma is not None and costs is not None and row["acceptance_rate"] is not None:
+            if (system.gamma is not None and costs is not None and row["acceptance_rate"] is not None
+                    and system.drafter in costs["drafters"]):
                 c_ratio = costs["drafters"][system.drafter]["c"]
                 predicted = predicted_speedup(row["acceptance_rate"], system.gamma, c_ratio)
                 measured_speedup = row["speedup_vs_flashspec"]
@@ -828,6 +868,9 @@ def summarize(results: dict[str, Any]) -> str:
     ]
     if s.get("target"):
         lines.append(f"Target: {s['target']}; drafters: {', '.join(s['drafters'])}.")
+    if s.get("style") == "chat":
+        lines.append("Prompts: chat-formatted requests (a corpus snippet inside a user instruction, through the "
+                     "tokenizer's chat template), kept whole: the regimes' prompt lengths do not apply.")
     if s.get("note"):
         lines.append(f"_{s['note']}_")
     if s.get("hf_prompts_per_domain"):
@@ -1063,12 +1106,18 @@ def rewrite_report(out_dir: Path) -> list[Path]:
 
 # ----------------------------------------------------------------------------- from the command line
 def drafter_name(spec: str) -> str:
-    """A short name for a drafter spec: ``"ngram"``, ``store-DOMAIN`` for ``store:DOMAIN``, a
-    ``.gguf`` file's stem, a folder's name."""
+    """A short name for a drafter spec: ``"ngram"``, ``store-DOMAIN`` for ``store:DOMAIN``,
+    ``early-exit-N`` for ``early-exit:N``, ``feature-NAME`` / ``shallow-NAME`` for
+    ``feature:DIR`` / ``shallow:DIR`` (NAME: the folder's name), a ``.gguf`` file's stem, a folder's name."""
     if spec == "ngram":
         return spec
     if spec.startswith("store:"):
         return "store-" + spec.split(":", 1)[1]
+    if spec.startswith("early-exit:"):
+        return "early-exit-" + spec.split(":", 1)[1]
+    if spec.startswith(("feature:", "shallow:")):
+        kind, folder = spec.split(":", 1)
+        return f"{kind}-{Path(folder).name or 'drafter'}"
     return Path(spec).stem if spec.lower().endswith(".gguf") else spec.rstrip("/").split("/")[-1]
 
 
@@ -1085,10 +1134,18 @@ def load_and_run(
     regimes: dict[str, Regime],
     prompts_per_domain: int,
     seed: int = 0,
+    style: str = "text",
+    snippet_tokens: int = 192,
     **options: Any,
 ) -> dict[str, Any]:
     """Load the models (or build random-weight Llama-3-8B / 3.2-1B shapes with ``shaped``), make
-    the prompts, :func:`run` and :func:`write`. ``options`` go to :func:`run`."""
+    the prompts (``style``: see :func:`make_prompts`), :func:`run` and :func:`write`. Model paths
+    are loaded; ``ngram`` and the self-drafter specs (``early-exit:N``, ``feature:DIR``,
+    ``shallow:DIR``) go to the engines as strings. ``options`` go to :func:`run`."""
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {', '.join(STYLES)}; got {style!r}.")
+    if shaped and style != "text":
+        raise ValueError("--shaped decodes random token ids; --style chat needs corpus prompts and a tokenizer.")
     from ..models import load_model, load_tokenizer
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1105,15 +1162,19 @@ def load_and_run(
         if target is None:
             raise ValueError("Give --target (or --shaped).")
         tok = load_tokenizer(tokenizer or target)
-        prompts = make_prompts(regimes, prompts_per_domain, tokenizer=tok, corpus=corpus, seed=seed)
+        prompts = make_prompts(regimes, prompts_per_domain, tokenizer=tok, corpus=corpus, seed=seed, style=style,
+                               snippet_tokens=snippet_tokens)
         model = load_model(target, device, torch_dtype)
         drafters = {}
         for spec, built in zip(drafts, store_drafters(drafts, corpus, tok)):  # "store:DOMAIN": a datastore
-            is_path = isinstance(built, str) and built != "ngram"
+            is_path = isinstance(built, str) and built != "ngram" and not _is_self_drafter(built)
             drafters[drafter_name(spec)] = load_model(built, device, torch_dtype) if is_path else built
         note = None
     results = run(model, drafters, prompts, regimes, seed=seed, **options)
     results["settings"]["target"] = "llama3-8b (shaped)" if shaped else target
+    results["settings"]["style"] = style
+    if style == "chat":
+        results["settings"]["snippet_tokens"] = snippet_tokens
     if note:
         results["settings"]["note"] = note
     write(results, out_dir)

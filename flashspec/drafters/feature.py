@@ -26,7 +26,7 @@ from ..graphs import Graphs
 from ..sampling import SamplingParams
 from .base import Draft, History, draw
 
-__all__ = ["FeatureHead", "FeatureDrafter", "decoder_layer"]
+__all__ = ["FeatureDrafter", "FeatureHead", "SubsetHead", "decoder_layer"]
 
 PREFIX = "feature:"
 
@@ -34,17 +34,48 @@ PREFIX = "feature:"
 class FeatureHead(nn.Module):
     """The trainable part: ``fc`` (2·hidden → hidden) and ``layers`` decoder layers of the target's
     architecture. :meth:`draft_model` wraps it with the target's embedding, final norm, rotary
-    embedding and head, shared by reference, as a transformers model of the target's class."""
+    embedding and head, shared by reference, as a transformers model of the target's class.
 
-    def __init__(self, config: Any, layers: int = 1) -> None:
+    Compact designs (SPEC.md §11.4): ``width`` sets the layers' MLP width and ``heads`` their
+    number of query heads (default: the target's); ``vocab`` (target token ids) restricts the
+    draft head to those rows of the target's head (a reduced draft vocabulary)."""
+
+    def __init__(self, config: Any, layers: int = 1, width: int | None = None, heads: int | None = None,
+                 vocab: torch.Tensor | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.config = copy.deepcopy(config)
         self.config.num_hidden_layers = layers
         if hasattr(self.config, "layer_types") and self.config.layer_types is not None:
             self.config.layer_types = self.config.layer_types[:layers]
+        if width is not None:
+            _check_int("width", width)
+            self.config.intermediate_size = width
+        if heads is not None:
+            _check_int("heads", heads)
+            kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            if heads % kv and kv % heads:
+                raise ValueError(f"heads must divide or be a multiple of the target's {kv} key-value heads; got {heads}.")
+            self.config.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+            self.config.num_attention_heads = heads
+            self.config.num_key_value_heads = min(kv, heads)
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layers = nn.ModuleList(decoder_layer(self.config, i) for i in range(layers))
+        if vocab is not None:
+            vocab = torch.as_tensor(vocab, dtype=torch.long).flatten()
+            size = config.vocab_size
+            if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= size or vocab.unique().numel() != vocab.numel():
+                raise ValueError(f"vocab must hold distinct token ids in [0, {size}); got {vocab.numel()} ids.")
+            self.register_buffer("vocab", vocab.sort().values)
+        else:
+            self.vocab = None
+
+    @property
+    def design(self) -> dict[str, int | None]:
+        """The sizes that rebuild this head (stored in a checkpoint's drafter.json)."""
+        return {"layers": len(self.layers), "width": self.config.intermediate_size,
+                "heads": self.config.num_attention_heads,
+                "vocab": None if self.vocab is None else int(self.vocab.numel())}
 
     def draft_model(self, target: nn.Module) -> nn.Module:
         """A model of the target's class whose decoder layers are this head's and whose embedding,
@@ -55,13 +86,43 @@ class FeatureHead(nn.Module):
         model.model.embed_tokens = target.model.embed_tokens
         model.model.norm = target.model.norm
         model.model.rotary_emb = target.model.rotary_emb
-        model.lm_head = target.lm_head
+        model.lm_head = target.lm_head if self.vocab is None else SubsetHead(target.lm_head, self.vocab)
         model.generation_config = target.generation_config
         return model.eval()
 
     def inputs(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """``fc([f_{t-1}; e_t])`` for ``features, embeddings [B, q, hidden]``."""
         return self.fc(torch.cat([features, embeddings], dim=-1))
+
+
+class SubsetHead(nn.Module):
+    """The target's output head restricted to the rows ``vocab`` (SPEC.md §11.4).
+
+    ``forward`` returns logits over the whole vocabulary with ``-inf`` outside ``vocab``, so the
+    draft law ``q`` the engine verifies with is exactly the law the draft token was drawn from.
+    The rows are gathered once (a derived tensor of ``len(vocab) × hidden``, not a parameter)."""
+
+    def __init__(self, lm_head: nn.Module, vocab: torch.Tensor) -> None:
+        super().__init__()
+        self.vocab_size = lm_head.weight.shape[0]
+        self.register_buffer("vocab", vocab.to(lm_head.weight.device), persistent=False)
+        self.register_buffer("weight", lm_head.weight.detach()[self.vocab], persistent=False)
+        bias = getattr(lm_head, "bias", None)
+        self.register_buffer("bias", None if bias is None else bias.detach()[self.vocab], persistent=False)
+
+    def subset(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits over ``vocab`` only: ``[..., len(vocab)]``."""
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        small = self.subset(x)
+        full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.vocab, small)
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
 
 
 def decoder_layer(config: Any, index: int) -> nn.Module:

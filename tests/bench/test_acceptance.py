@@ -1,0 +1,140 @@
+"""``flashspec bench acceptance`` (flashspec/bench/acceptance.py) on a tiny random-weight model and a
+tiny corpus: one row per (drafter, γ, domain, style), consistent numbers, the markdown and plot,
+the command line, and clear errors before any model is loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from chat_tokenizer import ChatCharTokenizer, save_tiny_chat_pair
+from tiny_models import noisy_copy, tiny_model, write_tiny_corpus
+
+from flashspec.bench import acceptance
+from flashspec.bench.corpus import DOMAINS
+from flashspec.cli import main
+
+GAMMAS = [2, 3]
+DRAFTERS = {"ngram": "ngram", "early-exit-1": "early-exit:1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"), lines=1500)
+
+
+@pytest.fixture(scope="module")
+def measured(corpus, tmp_path_factory):
+    tok = ChatCharTokenizer()
+    requests = acceptance.make_requests(corpus, tok, styles=["text", "chat"], prompts_per_domain=3,
+                                        prompt_tokens=16, snippet_tokens=16)
+    results = acceptance.run(tiny_model("llama", seed=0), DRAFTERS, requests, gammas=GAMMAS, batch=2,
+                             max_new_tokens=10, tokenizer=tok, progress=False)
+    out = tmp_path_factory.mktemp("acceptance")
+    return results, out, acceptance.write(results, out)
+
+
+def test_every_drafter_gamma_domain_and_style_has_a_row(measured):
+    _, out, files = measured
+    saved = json.loads((out / "acceptance.json").read_text())
+    keys = [(r["drafter"], r["gamma"], r["domain"], r["style"]) for r in saved["rows"]]
+    assert sorted(keys) == sorted((d, g, dom, s) for d in DRAFTERS for g in GAMMAS for dom in DOMAINS
+                                  for s in ("text", "chat"))
+    assert saved["settings"]["selector"] == "fixed" and saved["settings"]["eos"].startswith("disabled")
+    assert sorted(f.name for f in files) == ["acceptance.json", "acceptance.md", "acceptance.png"]
+    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_numbers_are_consistent(measured):
+    results, _, _ = measured
+    for r in results["rows"]:
+        assert r["prompts"] == 3 and r["batches"] == 2  # batches of 2: one full, one of 1
+        assert r["new_tokens"] == 3 * 10  # EOS never stops a row
+        assert r["steps"] >= 1 and r["row_steps"] >= r["steps"]
+        assert 0 <= r["accepted"] <= r["proposed"] == r["gamma"] * r["row_steps"]
+        assert r["acceptance_rate"] == pytest.approx(r["accepted"] / r["proposed"])
+        assert r["accepted_per_step"] == pytest.approx(r["accepted"] / r["row_steps"])
+        # a row's step commits its accepted drafts and the target's token (the last step may be cut
+        # at max_new_tokens)
+        assert r["tokens_per_step"] <= r["accepted_per_step"] + 1 + 1e-9
+        assert r["tokens_per_step"] >= r["accepted_per_step"] + 1 - r["gamma"] * r["prompts"] / r["row_steps"] - 1e-9
+        assert r["decode_tokens"] == r["new_tokens"] - r["prompts"]  # the prefill's first token excluded
+        assert r["decode_tokens_per_second"] > 0
+        assert r["drafter_forward_share"] is None  # neither n-gram lookup nor early exit has forwards of its own
+
+
+def test_markdown_has_a_table_per_style(measured):
+    _, out, _ = measured
+    md = (out / "acceptance.md").read_text()
+    assert "## text prompts" in md and "## chat prompts" in md
+    assert "| drafter@γ | code | prose | chat |" in md
+    assert md.count("| early-exit-1@3 |") == 4  # two tables per style
+
+
+def test_a_model_drafter_reports_its_forward_share(corpus):
+    target = tiny_model("llama", seed=0)
+    tok = ChatCharTokenizer()
+    requests = acceptance.make_requests(corpus, tok, styles=["text"], prompts_per_domain=1, prompt_tokens=12)
+    results = acceptance.run(target, {"tiny": noisy_copy(target, 0.05, seed=1)}, requests, gammas=[2], batch=1,
+                             max_new_tokens=6, tokenizer=tok, warm_up=False, progress=False)
+    assert len(results["rows"]) == len(DOMAINS)
+    assert all(0 < r["drafter_forward_share"] < 1 for r in results["rows"])
+
+
+GOOD = {"drafters": ["ngram"], "gammas": [2], "styles": ["text"], "prompts_per_domain": 2, "batch": 1,
+        "max_new_tokens": 4}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"drafters": []}, "at least one drafter"),
+    ({"drafters": ["a", "a"]}, "distinct"),
+    ({"gammas": []}, "gammas"),
+    ({"gammas": [0]}, "gammas"),
+    ({"gammas": [2, 2]}, "gammas must be distinct"),
+    ({"styles": ["markdown"]}, "Unknown prompt style 'markdown'"),
+    ({"styles": []}, "No prompt styles"),
+    ({"prompts_per_domain": 0}, "prompts per domain"),
+    ({"batch": 0}, "batch"),
+    ({"max_new_tokens": 0}, "max new tokens"),
+    ({"temperature": -1.0}, "temperature"),
+])
+def test_bad_options_are_clear_value_errors(change, message):
+    acceptance.check_options(**GOOD)
+    with pytest.raises(ValueError, match=message):
+        acceptance.check_options(**{**GOOD, **change})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gammas", "2,x"], "--gammas must be"),
+    (["--styles", "text,poem"], "Unknown prompt style"),
+    (["--batch", "0"], "batch"),
+    (["--prompts-per-domain", "0"], "prompts per domain"),
+])
+def test_cli_checks_options_before_loading(args, message, capsys):
+    assert main(["bench", "acceptance", "--target", "/nonexistent", "--draft", "ngram", "--no-progress", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_end_to_end(corpus, tmp_path, capsys):
+    target, draft = save_tiny_chat_pair(tmp_path)
+    out = tmp_path / "out"
+    rc = main(["bench", "acceptance", "--target", str(target), "--draft", str(draft), "--draft", "ngram",
+               "--draft", "early-exit:1", "--corpus", str(corpus), "--gammas", "2,3", "--styles", "text,chat",
+               "--prompts-per-domain", "1", "--prompt-tokens", "12", "--snippet-tokens", "12", "--batch", "1",
+               "--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32", "--out", str(out),
+               "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    saved = json.loads((out / "acceptance.json").read_text())
+    assert saved["settings"]["drafters"] == ["draft", "ngram", "early-exit-1"]
+    assert saved["settings"]["target"] == str(target)
+    assert len(saved["rows"]) == 3 * 2 * len(DOMAINS) * 2
+    assert "| draft@2 |" in capsys.readouterr().out
