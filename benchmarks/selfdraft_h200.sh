@@ -30,7 +30,11 @@ python3 - <<'EOF' > "$out/convert.log" 2>&1
 import torch
 from flashspec.models import load_model, load_tokenizer
 for name in ("target", "draft"):
-    load_model(f"/tmp/models/{name}.gguf", "cpu", torch.bfloat16).save_pretrained(f"/tmp/hf/{name}")
+    model = load_model(f"/tmp/models/{name}.gguf", "cpu", torch.bfloat16)
+    model.hf_quantizer = None  # dequantized already: save plain bfloat16 tensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(f"/tmp/hf/{name}")
     load_tokenizer(f"/tmp/models/{name}.gguf").save_pretrained(f"/tmp/hf/{name}")
 EOF
 stamp "convert exit $?"

@@ -85,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--hard-labels", action="store_true", help="cross-entropy on the next token, not the target's law")
     train.add_argument("--estimate-every", type=int, default=50, help="steps between acceptance estimates")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--unroll", type=int, default=3,
+                       help="feature: passes per step, each fed the previous pass's predicted features (1: none)")
+    train.add_argument("--feature-weight", type=float, default=1.0,
+                       help="feature: weight of a smooth-L1 loss between predicted and true features (EAGLE-1)")
     train.add_argument("--max-minutes", type=float, default=None, help="stop training after this long (default: no limit)")
     train.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     train.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
@@ -134,6 +138,7 @@ def train_drafter(args: argparse.Namespace) -> None:
     layers = args.layers if args.layers is not None else (1 if args.kind == "feature" else 2)
     options = TrainOptions(layers=layers, shared_layers=args.shared_layers, head_width=args.head_width,
                            width=args.width, heads=args.heads, draft_vocab=args.draft_vocab, rank=args.rank,
+                           unroll=args.unroll, feature_weight=args.feature_weight,
                            steps=args.steps, batch=args.batch, seq_len=args.seq_len,
                            lr_layers=args.lr_layers, lr_head=args.lr_head, hard_labels=args.hard_labels,
                            seed=args.seed, estimate_every=args.estimate_every,
@@ -160,12 +165,14 @@ def train_drafter(args: argparse.Namespace) -> None:
     out = save_drafter(head, engine.target, args.out, log, storage=args.storage, base=args.base)
     saved = estimate_acceptance(load_head(out, engine.target, args.kind), engine.target, estimate, options.batch)
     record = json.loads((out / "drafter.json").read_text())
-    record["training"]["alpha1_saved"] = saved  # the checkpoint as saved (int8 rows, merged deltas)
+    record["training"]["alpha1_saved"] = saved[0]  # the checkpoint as saved (int8 rows, merged deltas)
+    record["training"]["alpha_saved"] = saved
     (out / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
     size = (out / "drafter.safetensors").stat().st_size
-    last = log["estimates"][-1]["alpha1"] if log["estimates"] else float("nan")
+    last = "/".join(f"{a:.3f}" for a in log["estimates"][-1]["alpha"]) if log["estimates"] else "?"
     print(f"saved {out} ({size / 1e6:.1f} MB) after {log['seconds']:.0f} s, {log['tokens']:,} tokens; "
-          f"final loss {log['loss'][-1]:.3f}, α₁ {last:.3f} (as saved: {saved:.3f}); use it as --draft {args.kind}:{out}")
+          f"final loss {log['loss'][-1]:.3f}, α by draft depth {last} (as saved: {'/'.join(f'{a:.3f}' for a in saved)}); "
+          f"use it as --draft {args.kind}:{out}")
 
 
 # ----------------------------------------------------------------------------- helpers

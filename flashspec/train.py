@@ -80,10 +80,12 @@ class TrainOptions:
     seed: int = 0
     estimate_every: int = 50  # steps between two acceptance estimates on the estimate text
     max_seconds: float | None = None  # stop after this long even if steps remain (logged)
+    unroll: int = 3  # feature: passes per step, pass j fed pass j-1's predicted features (SPEC.md §11.6)
+    feature_weight: float = 1.0  # feature: weight of a smooth-L1 loss on the predicted features (EAGLE-1)
 
     def __post_init__(self) -> None:
         optional = ("shared_layers", "head_width", "width", "heads", "draft_vocab", "rank")
-        for name in ("layers", "steps", "batch", "seq_len", "estimate_every", *optional):
+        for name in ("layers", "steps", "batch", "seq_len", "estimate_every", "unroll", *optional):
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
@@ -96,6 +98,11 @@ class TrainOptions:
         if self.max_seconds is not None and (isinstance(self.max_seconds, bool) or not isinstance(
                 self.max_seconds, (int, float)) or not self.max_seconds > 0):
             raise ValueError(f"max_seconds must be a number > 0 (or None); got {self.max_seconds!r}.")
+        if isinstance(self.feature_weight, bool) or not isinstance(self.feature_weight, (int, float)) or not (
+                0 <= self.feature_weight < math.inf):
+            raise ValueError(f"feature_weight must be a number >= 0; got {self.feature_weight!r}.")
+        if self.unroll >= self.seq_len:
+            raise ValueError(f"unroll ({self.unroll}) must be smaller than seq_len ({self.seq_len}).")
         if not isinstance(self.hard_labels, bool):
             raise ValueError(f"hard_labels must be True or False; got {self.hard_labels!r}.")
 
@@ -177,21 +184,78 @@ def _features_and_logits(target: Any, ids: torch.Tensor, after: int | None = Non
     return captured[-1], logits
 
 
+def _cast(features: torch.Tensor, head: Any, target: Any) -> Any:
+    """float32 master weights over a 16-bit target on a GPU: the head computes in the target's dtype."""
+    dtype, compute = next(head.parameters()).dtype, next(target.parameters()).dtype
+    return torch.autocast("cuda", dtype=compute) if features.is_cuda and compute != dtype else contextlib.nullcontext()
+
+
+def _head_logits(draft: Any, hidden: torch.Tensor) -> torch.Tensor:
+    return draft.lm_head.subset(hidden) if isinstance(draft.lm_head, SubsetHead) else draft.lm_head(hidden)
+
+
+def chain_mask(passes: int, length: int, device: Any = None) -> torch.Tensor:
+    """``[passes·length, passes·length]`` boolean attention mask of the unrolled passes (SPEC.md
+    §11.6): query ``(a, t)`` — pass ``a`` at position ``t`` — sees pass 1 at positions
+    ``s ≤ t − a + 1`` (the committed prefix of a draft chain begun at ``t − a + 1``) and pass
+    ``b ∈ 2…a`` at ``s = t − (a − b)`` (the chain's own earlier drafts), as at inference."""
+    t = torch.arange(length, device=device)
+    rows = []
+    for a in range(1, passes + 1):
+        blocks = []
+        for b in range(1, passes + 1):
+            if b == 1:
+                block = t[None, :] <= (t[:, None] - a + 1)
+            elif b <= a:
+                block = t[None, :] == (t[:, None] - (a - b))
+            else:
+                block = torch.zeros(length, length, dtype=torch.bool, device=device)
+            blocks.append(block)
+        rows.append(torch.cat(blocks, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def _passes(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: torch.Tensor,
+            count: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The feature drafter's logits and predicted features over ``count`` chained passes (SPEC.md
+    §11.6): pass 1 reads the target's true features ``fc([f_{t−1}; e_t])``; pass ``j`` reads pass
+    ``j − 1``'s predicted ones ``fc([f̂_{t−1}; e_t])``, attending as a ``j``-th draft would."""
+    dtype = next(head.parameters()).dtype
+    length = ids.shape[1]
+    captured: list[torch.Tensor] = []
+    hook = draft.model.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    logits, predicted = [], []
+    try:
+        with _cast(features, head, target):
+            embeddings = target.model.embed_tokens(ids).to(dtype)
+            previous = features.to(dtype)
+            blocks: list[torch.Tensor] = []
+            for j in range(1, count + 1):
+                shifted = torch.cat([torch.zeros_like(previous[:, :1]), previous[:, :-1]], dim=1)  # f_{t-1}
+                blocks.append(head.inputs(shifted, embeddings))
+                if j == 1:
+                    out = draft.model(inputs_embeds=blocks[0])
+                else:
+                    mask = chain_mask(j, length, ids.device)[None, None]
+                    positions = torch.arange(length, device=ids.device).repeat(j)[None]
+                    out = draft.model(inputs_embeds=torch.cat(blocks, dim=1), attention_mask=mask,
+                                      position_ids=positions)
+                logits.append(_head_logits(draft, out.last_hidden_state[:, -length:]))
+                previous = captured[-1][:, -length:]  # this pass's predicted features, before the norm
+                predicted.append(previous)
+    finally:
+        hook.remove()
+    return logits, predicted
+
+
 def _draft_logits(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
     """The drafter's logits at every position of ``ids`` (teacher-forced on the true features);
     over its draft vocabulary only when it has one (SPEC.md §11.4)."""
-    dtype = next(head.parameters()).dtype
-    compute = next(target.parameters()).dtype
-    # float32 master weights over a 16-bit target on a GPU: the head computes in the target's dtype
-    cast = torch.autocast("cuda", dtype=compute) if features.is_cuda and compute != dtype else contextlib.nullcontext()
-    with cast:
-        if isinstance(head, ShallowHead):
-            x = features.to(dtype)  # the target's state after its shared layers
-        else:
-            previous = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)  # f_{t-1}
-            x = head.inputs(previous.to(dtype), target.model.embed_tokens(ids).to(dtype))
-        hidden = draft.model(inputs_embeds=x).last_hidden_state
-        return draft.lm_head.subset(hidden) if isinstance(draft.lm_head, SubsetHead) else draft.lm_head(hidden)
+    if not isinstance(head, ShallowHead):
+        return _passes(head, draft, target, ids, features, 1)[0][0]
+    with _cast(features, head, target):
+        x = features.to(next(head.parameters()).dtype)  # the target's state after its shared layers
+        return _head_logits(draft, draft.model(inputs_embeds=x).last_hidden_state)
 
 
 def _feature_layer(head: Any) -> int | None:
@@ -202,24 +266,37 @@ def _vocab(head: Any) -> torch.Tensor | None:
     return getattr(head, "vocab", None)
 
 
-def _acceptance(head: Any, draft: Any, target: Any, chunks: torch.Tensor, batch: int) -> float:
-    """α₁ on ``chunks``: how often the drafter's argmax is the target's (SPEC.md §11)."""
-    agree = total = 0
+DEPTHS = 3  # draft depths the acceptance estimate reports (feature drafters)
+
+
+def _acceptance(head: Any, draft: Any, target: Any, chunks: torch.Tensor, batch: int) -> list[float]:
+    """``[α₁, α₂, …]`` on ``chunks``: how often the drafter's argmax is the target's at draft depth
+    1, 2, … (depth ``j``: after ``j − 1`` drafts of its own, fed the true tokens; SPEC.md §11.6).
+    Shallow drafters read the target's own layers at every depth, so they report α₁ only."""
     vocab = _vocab(head)
+    depths = 1 if isinstance(head, ShallowHead) else DEPTHS
+    agree, total = [0] * depths, [0] * depths
     with torch.no_grad():
         for i in range(0, len(chunks), batch):
             ids = chunks[i : i + batch].to(target.device)
             features, logits = _features_and_logits(target, ids, _feature_layer(head))
-            mine = _draft_logits(head, draft, target, ids, features).argmax(-1)
-            if vocab is not None:
-                mine = vocab[mine]
-            agree += int((mine == logits.argmax(-1)).sum())
-            total += mine.numel()
-    return agree / max(total, 1)
+            if isinstance(head, ShallowHead):
+                mine = [_draft_logits(head, draft, target, ids, features)]
+            else:
+                mine = _passes(head, draft, target, ids, features, depths)[0]
+            truth = logits.argmax(-1)
+            for j, values in enumerate(mine):
+                best = values.argmax(-1)
+                if vocab is not None:
+                    best = vocab[best]
+                agree[j] += int((best == truth)[:, j:].sum())  # a chain needs j positions before it
+                total[j] += truth[:, j:].numel()
+    return [a / max(t, 1) for a, t in zip(agree, total)]
 
 
-def estimate_acceptance(head: Any, target: Any, chunks: torch.Tensor, batch: int = 8) -> float:
-    """α₁ of ``head`` on ``chunks [N, T]`` (the progress bar's estimate, for a saved head too)."""
+def estimate_acceptance(head: Any, target: Any, chunks: torch.Tensor, batch: int = 8) -> list[float]:
+    """``[α₁, α₂, …]`` of ``head`` on ``chunks [N, T]`` (the progress bar's estimate, for a saved
+    head too)."""
     return _acceptance(head, head.draft_model(target), target, chunks, batch)
 
 
@@ -297,7 +374,7 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     generator = torch.Generator().manual_seed(options.seed)
     log: dict[str, Any] = {"kind": kind, "options": asdict(options), "loss": [], "estimates": [], "tokens": 0}
     if estimate is not None:
-        log["estimates"].append({"step": 0, "alpha1": _acceptance(head, draft, target, estimate, options.batch)})
+        log["estimates"].append(_estimate(0, _acceptance(head, draft, target, estimate, options.batch)))
     started = time.perf_counter()
     try:
         bar = tqdm(range(options.steps), disable=not progress, desc=f"training {kind} drafter", unit="step")
@@ -305,18 +382,7 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
             rows = torch.randint(0, len(chunks), (options.batch,), generator=generator)
             ids = chunks[rows].to(device)
             features, logits = _features_and_logits(target, ids, layer)
-            mine = _draft_logits(head, draft, target, ids, features)[:, :-1].float()
-            if options.hard_labels:
-                labels = ids[:, 1:]
-                if vocab is not None:  # position in the draft vocabulary; -100 (ignored) outside it
-                    where = torch.searchsorted(vocab, labels).clamp(max=len(vocab) - 1)
-                    labels = torch.where(vocab[where] == labels, where, torch.full_like(labels, -100))
-                loss = torch.nn.functional.cross_entropy(mine.flatten(0, 1), labels.flatten(), ignore_index=-100)
-            else:
-                law = torch.softmax(logits[:, :-1].float(), dim=-1)
-                if vocab is not None:
-                    law = law[..., vocab]  # the target's mass outside the draft vocabulary is lost to it
-                loss = -(law * torch.log_softmax(mine, dim=-1)).sum(-1).mean()
+            loss = _loss(head, draft, target, ids, features, logits, options)
             if not math.isfinite(loss.item()):
                 raise ValueError(f"The training loss is not finite at step {step}: lower the learning rates.")
             optimizer.zero_grad(set_to_none=True)
@@ -329,9 +395,9 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
             out_of_time = options.max_seconds is not None and time.perf_counter() - started > options.max_seconds
             if estimate is not None and ((step + 1) % options.estimate_every == 0 or step + 1 == options.steps
                                          or out_of_time):
-                alpha = _acceptance(head, draft, target, estimate, options.batch)
-                log["estimates"].append({"step": step + 1, "alpha1": alpha})
-                bar.set_postfix(loss=f"{loss.item():.3f}", alpha1=f"{alpha:.3f}")
+                alphas = _acceptance(head, draft, target, estimate, options.batch)
+                log["estimates"].append(_estimate(step + 1, alphas))
+                bar.set_postfix(loss=f"{loss.item():.3f}", alpha="/".join(f"{a:.2f}" for a in alphas))
             else:
                 bar.set_postfix(loss=f"{loss.item():.3f}")
             if out_of_time:
@@ -345,6 +411,43 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     if device.type == "cuda":
         log["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     return head.to(next(target.parameters()).dtype).eval(), log
+
+
+def _estimate(step: int, alphas: list[float]) -> dict[str, Any]:
+    return {"step": step, "alpha1": alphas[0], "alpha": alphas}
+
+
+def _loss(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: torch.Tensor, logits: torch.Tensor,
+          options: TrainOptions) -> torch.Tensor:
+    """The training loss (SPEC.md §11.3, §11.6): the cross-entropy of each pass's law against the
+    target's (or the next token), pass ``j`` weighted ``0.8^(j−1)`` and counted from position
+    ``j − 1`` on; plus ``feature_weight`` × smooth-L1 between predicted and true features."""
+    vocab = _vocab(head)
+    if isinstance(head, ShallowHead):
+        passes, predicted = [_draft_logits(head, draft, target, ids, features)], []
+    else:
+        passes, predicted = _passes(head, draft, target, ids, features, options.unroll)
+    if options.hard_labels:
+        labels = ids[:, 1:]
+        if vocab is not None:  # position in the draft vocabulary; -100 (ignored) outside it
+            where = torch.searchsorted(vocab, labels).clamp(max=len(vocab) - 1)
+            labels = torch.where(vocab[where] == labels, where, torch.full_like(labels, -100))
+    else:
+        law = torch.softmax(logits[:, :-1].float(), dim=-1)
+        if vocab is not None:
+            law = law[..., vocab]  # the target's mass outside the draft vocabulary is lost to it
+    total, weights = 0.0, 0.0
+    for j, mine in enumerate(passes):
+        mine = mine[:, j:-1].float()
+        if options.hard_labels:
+            part = torch.nn.functional.cross_entropy(mine.flatten(0, 1), labels[:, j:].flatten(), ignore_index=-100)
+        else:
+            part = -(law[:, j:] * torch.log_softmax(mine, dim=-1)).sum(-1).mean()
+        if options.feature_weight and predicted:
+            part = part + options.feature_weight * torch.nn.functional.smooth_l1_loss(
+                predicted[j][:, j:].float(), features[:, j:].float())
+        total, weights = total + 0.8**j * part, weights + 0.8**j
+    return total / weights
 
 
 def _parameter_groups(head: Any, options: TrainOptions) -> list[dict[str, Any]]:
