@@ -147,9 +147,26 @@ def token_chunks(texts: list[str], tokenizer: Any, seq_len: int, cache: str | Pa
     return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
 
 
+PIECE = 1 << 18  # characters per piece a long text is tokenized in (at line starts, in one batch)
+
+
+def _tokenize(text: str, tokenizer: Any) -> list[int]:
+    """``text``'s ids, tokenized in pieces cut at line starts, as one batch (a fast tokenizer
+    spreads a batch over its threads); a piece boundary only ever falls before a line."""
+    pieces, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + PIECE)
+        end = len(text) if end < 0 else end + 1
+        pieces.append(text[start:end])
+        start = end
+    if len(pieces) <= 1:
+        return tokenizer(text)["input_ids"]
+    return [i for ids in tokenizer(pieces)["input_ids"] for i in ids]
+
+
 def _tokenized(text: str, tokenizer: Any, cache: str | Path | None) -> list[int]:
     if cache is None:
-        return tokenizer(text)["input_ids"]
+        return _tokenize(text, tokenizer)
     key = hashlib.sha256(text.encode("utf-8", errors="replace"))
     key.update(f"{getattr(tokenizer, 'name_or_path', '')}|{len(tokenizer)}".encode())
     path = Path(cache) / f"{key.hexdigest()[:32]}.pt"
@@ -158,7 +175,7 @@ def _tokenized(text: str, tokenizer: Any, cache: str | Path | None) -> list[int]
             return torch.load(path).tolist()
         except Exception:  # noqa: BLE001 - a damaged cache entry is tokenized again
             pass
-    ids = tokenizer(text)["input_ids"]
+    ids = _tokenize(text, tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(torch.tensor(ids, dtype=torch.int32), path)
     return ids

@@ -469,3 +469,18 @@ def test_later_drafts_need_unrolled_training(peaked, tmp_path):
     assert first2 < first1 - 0.3  # the collapse after the first draft
     assert alpha2 > first2 + 0.3 and alpha3 > first2 + 0.3
     assert tokens > first_tokens + 0.3
+
+
+def test_long_texts_are_tokenized_in_pieces_cut_at_line_starts(monkeypatch):
+    import flashspec.train as train
+
+    class Tokenizer:
+        def __call__(self, text):
+            if isinstance(text, list):
+                assert all(piece.endswith("\n") or piece is text[-1] for piece in text)
+                return {"input_ids": [[ord(c) for c in piece] for piece in text]}
+            return {"input_ids": [ord(c) for c in text]}
+
+    monkeypatch.setattr(train, "PIECE", 10)
+    text = "".join(f"line {i}\n" for i in range(50)) + "tail without newline"
+    assert train._tokenize(text, Tokenizer()) == [ord(c) for c in text]
