@@ -71,7 +71,7 @@ run train_general fs "${train[@]}" "${raw[@]}" "${dist[@]}" "${compact[@]}" "${l
     --max-minutes 4 --out $ck/general
 for d in code prose chat; do
   run "train_$d" fs "${train[@]}" --data "$(file $d)" --data /tmp/data/distilled-$d.txt --base $ck/general \
-      --rank 32 "${lr[@]}" --steps ${DELTA_STEPS:-500} --max-minutes 1.25 --out $ck/$d
+      --rank 32 --lr-layers 1e-3 --lr-head 1e-3 --steps ${DELTA_STEPS:-500} --max-minutes 1.25 --out $ck/$d
 done
 stamp "trained"
 

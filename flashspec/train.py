@@ -202,9 +202,11 @@ def _features_and_logits(target: Any, ids: torch.Tensor, after: int | None = Non
 
 
 def _cast(features: torch.Tensor, head: Any, target: Any) -> Any:
-    """float32 master weights over a 16-bit target on a GPU: the head computes in the target's dtype."""
+    """float32 master weights over a 16-bit target: the head computes in the target's dtype."""
     dtype, compute = next(head.parameters()).dtype, next(target.parameters()).dtype
-    return torch.autocast("cuda", dtype=compute) if features.is_cuda and compute != dtype else contextlib.nullcontext()
+    if compute == dtype:
+        return contextlib.nullcontext()
+    return torch.autocast(features.device.type, dtype=compute)
 
 
 def _head_logits(draft: Any, hidden: torch.Tensor) -> torch.Tensor:

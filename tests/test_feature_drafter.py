@@ -484,3 +484,19 @@ def test_long_texts_are_tokenized_in_pieces_cut_at_line_starts(monkeypatch):
     monkeypatch.setattr(train, "PIECE", 10)
     text = "".join(f"line {i}\n" for i in range(50)) + "tail without newline"
     assert train._tokenize(text, Tokenizer()) == [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("vocab", [None, 40])
+def test_training_over_a_bfloat16_target_keeps_float32_master_weights(vocab, self_generated, tmp_path):
+    """The GPU recipe (a 16-bit target, float32 head under autocast, unrolled passes) on the CPU."""
+    target = tiny_model("llama", seed=4, vocab_size=64).to(torch.bfloat16)
+    options = TrainOptions(steps=20, batch=8, seq_len=32, lr_layers=3e-3, lr_head=3e-3, estimate_every=10,
+                           draft_vocab=vocab)
+    head, log = train_head("feature", target, self_generated[:40], options, estimate=self_generated[40:],
+                           progress=False)
+    assert next(head.parameters()).dtype == torch.bfloat16 and log["loss"][-1] < log["loss"][0]
+    assert len(log["estimates"][-1]["alpha"]) == 3
+    save_drafter(head, target, tmp_path)
+    out = SpeculativeEngine(target, [f"feature:{tmp_path}"], device="cpu").generate(
+        [[1, 2, 3]], max_new_tokens=8, eos_token_id=[])
+    assert len(out.sequences[0]) == 8

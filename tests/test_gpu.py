@@ -246,3 +246,24 @@ def test_the_users_model_keeps_its_parameters_on_the_gpu():
     after = dict(model.named_parameters())
     assert all(after[k] is params[k] and after[k].requires_grad == flags[k] for k in params)
     assert model.training
+
+
+# ------------------------------------------------------------------ training on the GPU (SPEC.md §11.3, §11.6)
+@pytest.mark.parametrize("vocab", [None, 48])
+def test_feature_training_unrolled_in_bf16_on_the_gpu(vocab, tmp_path):
+    """float32 master weights under bf16 autocast, three unrolled passes through chain_mask with
+    the feature loss, a draft vocabulary or not: the loss falls, the estimate has three depths,
+    and the saved head drafts the target's own greedy output."""
+    from flashspec.train import TrainOptions, save_drafter, train_head
+
+    target = tiny("llama", 0, torch.bfloat16)
+    data = torch.randint(0, 96, (64, 48), generator=torch.Generator().manual_seed(0))
+    options = TrainOptions(steps=30, batch=8, seq_len=48, lr_layers=3e-3, lr_head=3e-3, estimate_every=15,
+                           draft_vocab=vocab)
+    head, log = train_head("feature", target, data[:56], options, estimate=data[56:], progress=False)
+    assert next(head.parameters()).dtype == torch.bfloat16 and log["loss"][-1] < log["loss"][0]
+    assert len(log["estimates"][-1]["alpha"]) == 3 and log["peak_memory_bytes"] > 0
+    save_drafter(head, target, tmp_path)
+    out = SpeculativeEngine(target, [f"feature:{tmp_path}"]).generate(PROMPTS, max_new_tokens=16, eos_token_id=[])
+    plain = SpeculativeEngine(target, []).generate(PROMPTS, max_new_tokens=16, eos_token_id=[])
+    assert len(out.sequences) == len(plain.sequences) and all(len(s) == 16 for s in out.sequences)
