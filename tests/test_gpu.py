@@ -267,3 +267,16 @@ def test_feature_training_unrolled_in_bf16_on_the_gpu(vocab, tmp_path):
     out = SpeculativeEngine(target, [f"feature:{tmp_path}"]).generate(PROMPTS, max_new_tokens=16, eos_token_id=[])
     plain = SpeculativeEngine(target, []).generate(PROMPTS, max_new_tokens=16, eos_token_id=[])
     assert len(out.sequences) == len(plain.sequences) and all(len(s) == 16 for s in out.sequences)
+
+
+def test_step_anatomy_of_a_feature_drafter(tmp_path):
+    """bench gpu's step anatomy with a drafter made from the target: its own forwards (the
+    re-fed window and the one-token drafts) are timed, and the share outside the forwards is."""
+    from flashspec.bench.gpu import bench_pair
+
+    target = tiny("llama", 0, torch.bfloat16)
+    prompts = {"random": [p * 4 for p in PROMPTS]}
+    pair = bench_pair("tiny", target, f"feature:{feature_checkpoint(target)}", prompts, 1e12, max_new_tokens=24,
+                      gamma=3, compile=False)
+    assert {"drafter_1", "drafter_4"} <= set(pair["forward_seconds"])
+    assert 0 < pair["speculative_forwards_seconds"] and pair["speculative_overhead"] < 1

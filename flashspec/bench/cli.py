@@ -92,7 +92,7 @@ def _select_parser(sub: Any) -> None:
 def _gpu_parser(sub: Any) -> None:
     p = sub.add_parser("gpu", help="verify kernels, roofline and speculative step anatomy on a CUDA GPU")
     p.add_argument("--target", default=None, help="a real target (folder, hub id or .gguf); omit to skip")
-    p.add_argument("--draft", default=None, help="its drafter")
+    p.add_argument("--draft", default=None, help="its drafter: a model, or early-exit:N, feature:DIR, shallow:DIR")
     p.add_argument("--corpus", default="../shared/corpus", help="folder with the three-domain corpus")
     p.add_argument("--shaped", default="llama3-8b", help="comma-separated random-weight shapes ('' for none)")
     p.add_argument("--no-kernels", action="store_true", help="skip the verify-kernel table")

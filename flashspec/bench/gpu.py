@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..cache import StaticLM
+from ..drafters.feature import FeatureDrafter
 from ..engine import SpeculativeEngine
 from ..kernels import pdl
 from .corpus import DOMAINS, heldout_prompts
@@ -181,10 +182,15 @@ def bench_pair(
     context_int = int(context)
     fwd = {"target_1": forward_seconds(lm_target, 1, 1, context_int),
            f"target_{gamma + 1}": forward_seconds(lm_target, 1, gamma + 1, context_int)}
-    if drafter is not None and isinstance(speculative.drafters[0]._lm, StaticLM):
-        lm_draft = speculative.drafters[0]._lm
+    made = speculative.drafters[0] if drafter is not None else None
+    window = getattr(made, "MIN_WINDOW", None) if isinstance(made, FeatureDrafter) else None
+    lm_draft = getattr(made, "lm", None) if window else getattr(made, "_lm", None)
+    if isinstance(lm_draft, StaticLM):
         fwd["drafter_1"] = forward_seconds(lm_draft, 1, 1, context_int)
-        fwd["drafter_2"] = forward_seconds(lm_draft, 1, 2, context_int)
+        # a model drafter feeds 2 tokens first (its catch-up); a feature drafter re-feeds its
+        # window, at least MIN_WINDOW positions (SPEC.md §11): timed at that width
+        fwd["drafter_2" if window is None else f"drafter_{window}"] = forward_seconds(lm_draft, 1, window or 2,
+                                                                                      context_int)
     result["forward_seconds"] = fwd
     if isinstance(lm_target, StaticLM):
         result["forward_by_decode_maps"] = forward_by_decode_maps(lm_target, (1, gamma + 1), context_int)
@@ -194,7 +200,8 @@ def bench_pair(
         result["target_only_overhead"] = 1 - fwd["target_1"] / base_step
         if "drafter_1" in fwd:
             spec_step = statistics.mean(r["speculative"]["step_seconds"] for r in greedy)
-            inside = fwd[f"target_{gamma + 1}"] + fwd["drafter_2"] + (gamma - 1) * fwd["drafter_1"]
+            first = fwd["drafter_2"] if window is None else fwd[f"drafter_{window}"]
+            inside = fwd[f"target_{gamma + 1}"] + first + (gamma - 1) * fwd["drafter_1"]
             result["speculative_step_seconds"] = spec_step
             result["speculative_forwards_seconds"] = inside
             result["speculative_overhead"] = 1 - inside / spec_step
@@ -322,12 +329,14 @@ def run(
         load = lambda spec, dtype: load_model(spec, "cuda", dtype)  # noqa: E731
         tokenizer = load_tokenizer(target)
         prompts = {d: heldout_prompts(corpus, d, prompts_per_domain, prompt_tokens, tokenizer) for d in DOMAINS}
-        t_model, d_model = load(target, torch.bfloat16), load(drafter, torch.bfloat16) if drafter else None
+        t_model = load(target, torch.bfloat16)
+        made_from_target = bool(drafter) and drafter.startswith(("early-exit:", "feature:", "shallow:"))
+        d_model = drafter if made_from_target else load(drafter, torch.bfloat16) if drafter else None
         pair = bench_pair(Path(target).stem, t_model, d_model, prompts, copy_bw, max_new_tokens=max_new_tokens,
                           gamma=gamma, compile=compile, temperatures=(0.0, 0.7), hf_baseline=True)
         del t_model, d_model
         torch.cuda.empty_cache()
-        if drafter:
+        if drafter and not made_from_target:  # float32_equality loads model drafters only
             few = [p for ps in prompts.values() for p in ps[:2]]
             pair["float32_greedy"] = float32_equality(target, drafter, few, 64, gamma, load)
         results["pairs"].append(pair)
