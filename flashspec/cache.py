@@ -17,9 +17,11 @@ Both classes answer one call, :meth:`forward`: feed ``tokens [B, q]`` at positio
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -169,6 +171,22 @@ class StaticLM:
                 torch._dynamo.mark_static_address(t)
         self.batch, self.capacity = batch, capacity
         return True
+
+    @contextlib.contextmanager
+    def only_row(self, row: int) -> Iterator[None]:
+        """Within the block, forwards see a batch of one: row ``row`` of the cache (views of it,
+        so what they write lands in that row and no other row is read or written). How a request
+        joins a running batch (SPEC.md §12): its prompt is fed alone while the others wait."""
+        keys, values, batch = self.keys, self.values, self.batch
+        if not 0 <= row < batch:
+            raise ValueError(f"Row {row} is outside the cache's batch of {batch}.")
+        self.keys = [k[row : row + 1] for k in keys]
+        self.values = [v[row : row + 1] for v in values]
+        self.batch = 1
+        try:
+            yield
+        finally:
+            self.keys, self.values, self.batch = keys, values, batch
 
     @torch.inference_mode()
     def forward(

@@ -15,6 +15,7 @@ from .bench.cli import add_parsers as add_bench_parsers
 from .demo import DEMO_PROMPT
 from .distill import add_parser as add_distill_parser
 from .models import DTYPES
+from .serve import add_parser as add_serve_parser
 
 __all__ = ["main"]
 
@@ -96,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(sub)
     add_distill_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

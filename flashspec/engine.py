@@ -266,6 +266,27 @@ class SpeculativeEngine:
         sequences = decode(self._plan(request), request, stats, progress=progress)
         return self._output(sequences, stats)
 
+    # ------------------------------------------------------------------ continuous batching
+    def batch(self, *, slots: int = 8, max_length: int | None = None, num_draft_tokens: int = 4,
+              eos_token_id: int | Sequence[int] | None = None) -> Any:
+        """A running batch that requests join and leave at step boundaries (continuous
+        batching, SPEC.md §12): ``add(prompt, **sampling) -> handle``, ``step() -> updates``,
+        ``cancel(handle)``. It holds the engine until closed (use it as a context manager).
+        See :class:`flashspec.batching.Batch`."""
+        from .batching import Batch
+
+        return Batch(self, slots=slots, max_length=max_length, num_draft_tokens=num_draft_tokens,
+                     eos_token_id=eos_token_id)
+
+    def warmup(self, *, slots: int = 8, max_length: int | None = None, num_draft_tokens: int = 4,
+               prompt_lengths: Sequence[int] = (1,)) -> float:
+        """Touch every shape a server with these settings uses — a prefill of each of
+        ``prompt_lengths`` and one step of every arm at the batch's fixed slots and capacity —
+        so that no request pays lazy initialisation or compilation; returns the seconds taken.
+        On a CPU without ``compile`` there is nothing to compile or capture."""
+        with self.batch(slots=slots, max_length=max_length, num_draft_tokens=num_draft_tokens) as batch:
+            return batch.warmup(prompt_lengths)
+
     def _plan(self, request: Request) -> Plan:
         """What the decode loop of ``request`` needs: arms resolved, buffers shaped."""
         gammas = [g or request.num_draft_tokens for _, g in self.arms]

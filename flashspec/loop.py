@@ -34,7 +34,8 @@ from .graphs import Graphs
 from .request import Request
 from .select import Observation, Selector
 from .stats import GenerationStats, StepRecord
-from .verify import verify
+from .sampling import SamplingParams
+from .verify import VerifyResult, verify
 
 __all__ = ["Plan", "Workspace", "decode", "commit_tokens", "commit_step", "workspace_shape"]
 
@@ -220,8 +221,8 @@ class _Run:
             row = int((~finite).long().argmax())
             raise ValueError(f"Generation stopped at the prefill, row {row}: {FAULTS[1]}.")
         no_drafts = self.ws.draft_tokens[:, :0]
-        self.ws.random.uniform_(generator=self.rng)
-        result = verify(logits, no_drafts, None, self.params, self.verify_uniforms[:, :1])
+        self._draw_random()
+        result = self._verify(logits, no_drafts, None, self.verify_uniforms[:, :1])
         ws = self.ws
         commit_tokens(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos, result.tokens, zeros)
         self.max_length += 1
@@ -257,12 +258,12 @@ class _Run:
         """Draw this step's random numbers and let the arm's drafter fill the draft buffers;
         returns whether the drafts come with their laws ``q``."""
         ws, tp = self.ws, self.plan.tp
-        ws.random.uniform_(generator=self.rng)
+        self._draw_random()
         if arm is None:
             return False
         history = History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden)
         drafter = self.plan.drafters[self.plan.arm_drafters[arm]]
-        draft = drafter.propose(history, k, self.params, self.draft_uniforms[:, :k])
+        draft = drafter.propose(history, k, self._draft_params(), self.draft_uniforms[:, :k])
         self._check_draft(drafter, draft, k)
         outside = (draft.tokens < 0) | (draft.tokens >= self.vocab_size)  # [B, k]
         note_fault(ws.fault, outside.any(dim=1) & self.active, 3, ws.steps_taken)
@@ -280,6 +281,21 @@ class _Run:
             if has_probs:
                 tp.broadcast_(ws.draft_probs)
         return has_probs
+
+    # The three places a step meets its rows' sampling: where a batch whose rows differ
+    # (flashspec.batching, SPEC.md §12) gives each row its own generator and parameters.
+    def _draw_random(self) -> None:
+        """This step's random numbers, ``ws.random [B, 2γ + 1]``: drafting, then verification."""
+        self.ws.random.uniform_(generator=self.rng)
+
+    def _draft_params(self) -> SamplingParams:
+        """The sampling parameters drafters draw with (any law is exact: verification corrects it)."""
+        return self.params
+
+    def _verify(self, logits: torch.Tensor, drafts: torch.Tensor, probs: torch.Tensor | None,
+                uniforms: torch.Tensor) -> VerifyResult:
+        """Verify every row's drafts with the request's sampling parameters (SPEC.md §2)."""
+        return verify(logits, drafts, probs, self.params, uniforms)
 
     def _check_draft(self, drafter: Drafter, draft: Any, k: int) -> None:
         """A drafter's output has the protocol's shapes (checked on the host: no device read)."""
@@ -308,7 +324,7 @@ class _Run:
         fed = torch.cat([pending, drafts], dim=1)
         logits = self.plan.target.forward(fed, self.length - 1, self.active[:, None].expand_as(fed), **self._features)
         probs = ws.draft_probs[:, :k] if has_probs else None
-        result = verify(logits, drafts, probs, self.params, self.verify_uniforms[:, : k + 1])
+        result = self._verify(logits, drafts, probs, self.verify_uniforms[:, : k + 1])
         note_fault(ws.fault, ~torch.isfinite(logits).flatten(1).all(dim=1) & self.active, 1, ws.steps_taken)
         drawn = result.tokens.gather(1, result.num_accepted[:, None])[:, 0]  # the recovered or bonus token
         note_fault(ws.fault, (drawn < 0) & self.active, 2, ws.steps_taken)

@@ -62,6 +62,20 @@ class ModelDrafter:
         self._lm.forward(tokens[:, :bound], zeros, real, logits_at=(length - 1).clamp(min=0)[:, None])
         self._seen_through = bound  # the first proposal re-feeds the last 2 tokens, as every step does
 
+    def prefill_row(self, history: History, row: int) -> None:
+        """Feed row ``row``'s committed tokens alone: a request that joined a running batch
+        (SPEC.md §12). The other rows' cache entries are neither read nor written."""
+        if not isinstance(self._lm, StaticLM):
+            raise ValueError(f"Drafter {self.name!r} cannot join a running batch: continuous batching needs "
+                             f"a drafter over FlashSpec's static cache (architectures {', '.join(StaticLM.ARCHITECTURES)}).")
+        self._start(history)
+        length = history.length[row : row + 1]
+        width = int(length)
+        with self._lm.only_row(row):
+            self._lm.forward(history.tokens[row : row + 1, :width], torch.zeros_like(length), None,
+                             logits_at=(length - 1)[:, None])
+        self._seen_through = max(self._seen_through or 0, history.length_bound())
+
     def _start(self, history: History) -> None:
         """A new request: size the cache (dropping graphs that captured replaced buffers)."""
         if self._lm.reset(history.tokens.shape[0], history.tokens.shape[1]):
@@ -78,7 +92,7 @@ class ModelDrafter:
         # two: re-feeding a few seen tokens rewrites their cache entries and costs little in a
         # latency-bound forward, while every distinct width is one more compilation and CUDA
         # graph — met in the middle of timed work when a bandit switches drafters.
-        unseen = max(1, 2 + bound - self._seen_through)
+        unseen = max(2, 2 + bound - self._seen_through)  # 2: also once the bound is capped at the end
         if unseen > 2:
             unseen = max(unseen, self.SWITCH_WINDOW)
         return min(bound, 1 << (unseen - 1).bit_length())

@@ -1,0 +1,433 @@
+"""Continuous batching: requests join a running batch at step boundaries and leave it when done.
+
+A :class:`Batch` is a step-level handle on the engine's one decode loop (:mod:`flashspec.loop`):
+it owns a :class:`~flashspec.loop.Workspace` of fixed *slots* (rows) and a fixed capacity, and
+drives the loop's own stages — the same select → propose → score → verify → commit step, the
+same lagged poll — over whichever slots hold a request. What differs from ``generate`` is only
+where rows come from and what they sample with:
+
+* :meth:`Batch.add` feeds one prompt into a free slot, alone (:meth:`StaticLM.only_row
+  <flashspec.cache.StaticLM.only_row>`), and draws its first token, while the other rows wait;
+* every row has its own sampling parameters and its own random generator (seeded by its own
+  ``seed``), so its random numbers do not depend on which other rows share the batch;
+* :meth:`Batch.step` runs one speculative step over every slot, then reports each request's new
+  tokens and whether it finished; :meth:`Batch.cancel` frees a slot at once.
+
+Why no request's output law changes when others join or leave: SPEC.md §12.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .cache import StaticLM
+from .drafters import DatastoreDrafter, EarlyExitDrafter, ModelDrafter, NgramDrafter
+from .drafters.base import History
+from .graphs import Graphs
+from .loop import FAULTS, Plan, Workspace, _Run, commit_tokens
+from .models import context_window, eval_mode
+from .request import MAX_TOKENS_WITHOUT_WINDOW, parse_request
+from .sampling import SamplingParams
+from .stats import DrafterStats, GenerationStats
+from .verify import VerifyResult, verify
+
+__all__ = ["Batch", "BatchFull", "RowUpdate"]
+
+GREEDY = SamplingParams()  # every greedy row verifies alike, whatever temperature it was given
+
+
+class BatchFull(RuntimeError):
+    """Every slot of the batch holds a request."""
+
+
+@dataclass
+class RowUpdate:
+    """What one request gained at a step: ``tokens`` (new ids, possibly none), whether it is
+    ``finished``, and why: ``"stop"`` (an EOS id), ``"length"`` (``max_new_tokens``) or
+    ``"error"`` (a fault of this row alone; ``error`` holds the sentence)."""
+
+    handle: int
+    tokens: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Row:
+    """Host-side record of the request in one slot."""
+
+    handle: int
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_length: int
+    max_new_tokens: int
+    reported: int = 0  # generated tokens already handed out by step()
+    finished: bool = False
+
+
+class _BatchRun(_Run):
+    """The decode loop's state over fixed slots whose rows come and go (the same stages as
+    ``generate``'s :class:`~flashspec.loop._Run`; only row admission and sampling differ)."""
+
+    def __init__(self, plan: Plan, stats: GenerationStats, eos: Sequence[int]) -> None:  # noqa: D107
+        ws = plan.workspace
+        device = ws.tokens.device
+        self.plan, self.params, self.stats, self.context = plan, GREEDY, stats, None
+        self.gamma = ws.shape[2]
+        self.batch = ws.shape[0]
+        self.ws = ws
+        ws.tokens.zero_()
+        ws.prompt_length.fill_(1)  # a free slot: one pending token, never active
+        ws.length.fill_(1)
+        ws.generated.zero_()
+        ws.max_new_tokens.zero_()
+        ws.active.fill_(False)
+        ws.eos.fill_(-1)
+        ws.eos[: len(eos)] = torch.tensor(list(eos), dtype=torch.long)
+        ws.log.zero_()
+        ws.steps_taken.zero_()
+        ws.fault.zero_()
+        self.tokens, self.length, self.active, self.generated = ws.tokens, ws.length, ws.active, ws.generated
+        self.max_length = 1
+        self.length_limit = 2**62  # max_length only grows (after_poll); drafters clamp to the capacity
+        self.rng = None  # each row has its own (rows[b].generator)
+        self.draft_uniforms = ws.random[:, : self.gamma]
+        self.verify_uniforms = ws.random[:, self.gamma :]
+        self.vocab_size = plan.target.model.config.vocab_size
+        self._features = {} if ws.hidden is None else {"hidden_out": ws.hidden}
+        self.chosen, self.proposed = [], []
+        from .loop import _StepClock
+
+        self.clock = _StepClock(device)
+        self.polled = 0
+        self.generated_total = 0
+        self.rows: list[_Row | None] = [None] * self.batch
+        self._groups: list[tuple[SamplingParams, torch.Tensor]] = []
+        for drafter in plan.drafters:
+            drafter.begin(self.batch)
+
+    # ------------------------------------------------------------------ per-row sampling
+    def regroup(self) -> None:
+        """Rows by sampling parameters (host side; after every admission and departure)."""
+        groups: dict[SamplingParams, list[int]] = {}
+        for b, row in enumerate(self.rows):
+            if row is not None:
+                groups.setdefault(row.params, []).append(b)
+        device = self.ws.tokens.device
+        self._groups = [(p, torch.tensor(rows, device=device)) for p, rows in groups.items()]
+
+    def _draw_random(self) -> None:
+        """Each occupied row's random numbers from its own generator (SPEC.md §12)."""
+        for b, row in enumerate(self.rows):
+            if row is not None:
+                self.ws.random[b].uniform_(generator=row.generator)
+
+    def _draft_params(self) -> SamplingParams:
+        """The rows' parameters when they all agree, else greedy drafts (deterministic proposals,
+        verified with a one-hot ``q``: exact for every row, SPEC.md §2)."""
+        return self._groups[0][0] if len(self._groups) == 1 else GREEDY
+
+    def _verify(self, logits: torch.Tensor, drafts: torch.Tensor, probs: torch.Tensor | None,
+                uniforms: torch.Tensor) -> VerifyResult:
+        """Verify each group of rows with its own parameters; free slots accept nothing."""
+        num_accepted = torch.zeros(self.batch, dtype=torch.long, device=logits.device)
+        tokens = torch.zeros(self.batch, drafts.shape[1] + 1, dtype=torch.long, device=logits.device)
+        for params, rows in self._groups:
+            part = verify(logits[rows], drafts[rows], None if probs is None else probs[rows], params, uniforms[rows])
+            num_accepted.index_copy_(0, rows, part.num_accepted)
+            tokens.index_copy_(0, rows, part.tokens)
+        return VerifyResult(num_accepted, tokens)
+
+    # ------------------------------------------------------------------ rows joining
+    def join(self, b: int, prompt: list[int], row: _Row) -> None:
+        """Put ``prompt`` in free slot ``b``, feed it alone and commit its first token (the
+        prefill of ``generate``, for one row)."""
+        ws, device = self.ws, self.ws.tokens.device
+        width = len(prompt)
+        ws.tokens[b].zero_()
+        ws.tokens[b, :width] = torch.tensor(prompt, device=device)
+        ws.prompt_length[b] = width
+        ws.length[b] = width
+        ws.generated[b] = 0
+        ws.max_new_tokens[b] = row.max_new_tokens
+        ws.active[b] = True
+        one = slice(b, b + 1)
+        zeros = torch.zeros(1, dtype=torch.long, device=device)
+        features = {} if ws.hidden is None else {"hidden_out": {n: h[one] for n, h in ws.hidden.items()}}
+        with self.plan.target.only_row(b):
+            logits = self.plan.target.forward(ws.tokens[one, :width], zeros, None,
+                                              logits_at=torch.tensor([[width - 1]], device=device), **features)
+        if not bool(torch.isfinite(logits).all()):
+            ws.active[b] = False
+            raise ValueError(f"Generation stopped at the prefill: {FAULTS[1]}.")
+        ws.random[b].uniform_(generator=row.generator)
+        result = verify(logits, ws.draft_tokens[one, :0], None, row.params, self.verify_uniforms[one, :1])
+        commit_tokens(ws.tokens[one], ws.length[one], ws.active[one], ws.generated[one], ws.max_new_tokens[one],
+                      ws.eos, result.tokens, zeros)
+        self.rows[b] = row
+        self.regroup()
+        self.max_length = max(self.max_length, width + 1)
+        history = History(self.tokens, self.length, self.active, self.max_length, ws.hidden)
+        for drafter in self.plan.drafters:
+            prefill_row = getattr(drafter, "prefill_row", None)
+            if prefill_row is not None:
+                prefill_row(history, b)
+
+    def leave(self, b: int) -> None:
+        """Free slot ``b`` (its row stops generating at once)."""
+        self.ws.active[b] = False
+        self.rows[b] = None
+        self.regroup()
+
+    # ------------------------------------------------------------------ faults of one row
+    def take_fault(self) -> tuple[int, str] | None:
+        """A fault noted on the device, as (slot, sentence), cleared so that it fails that row
+        alone; None when there is none."""
+        step, row, kind = self.ws.fault.tolist()
+        if not step:
+            return None
+        self.ws.fault.zero_()
+        return row, f"Generation stopped at a decode step: {FAULTS[kind]}."
+
+    def after_poll(self) -> None:
+        """Restart the per-step log (a batch runs for ever; the log holds one poll's steps).
+
+        ``max_length`` keeps the loop's own arithmetic (+ k + 1 per step, never tightened): model
+        drafters size their re-fed window from how it grows (``ModelDrafter._window``), and a
+        bound that shrank when a long row left would make them skip committed tokens."""
+        self.ws.steps_taken.zero_()
+        self.chosen.clear()
+        self.proposed.clear()
+        self.polled = 0
+        self.stats.step_log.clear()
+
+
+class Batch:
+    """A running batch over ``engine``'s models: :meth:`add` requests, :meth:`step`, :meth:`cancel`.
+
+    Use it as a context manager (or call :meth:`close`): while it is open it holds the engine
+    (``generate`` from another thread waits for :meth:`close`). Not thread-safe: call it from one
+    thread. ``slots``: the most requests decoded together; ``max_length``: prompt + new tokens of
+    any request (default: the model's context window, at most 4096); ``num_draft_tokens``: γ of
+    arms that have none of their own.
+    """
+
+    def __init__(self, engine: Any, *, slots: int = 8, max_length: int | None = None,
+                 num_draft_tokens: int = 4, eos_token_id: Any = None) -> None:
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024:
+            raise ValueError(f"slots must be an integer from 1 to 1024; got {slots!r}.")
+        if not isinstance(engine._target_lm, StaticLM):
+            raise ValueError("Continuous batching needs a target over FlashSpec's static cache "
+                             f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
+        if engine._tp is not None:
+            raise ValueError("Continuous batching does not support tensor-parallel targets yet.")
+        for d in engine.drafters:
+            if not (isinstance(d, (NgramDrafter, DatastoreDrafter, EarlyExitDrafter))
+                    or (isinstance(d, ModelDrafter) and isinstance(d._lm, StaticLM))):
+                raise ValueError(f"Drafter {d.name!r} cannot join a running batch: continuous batching supports "
+                                 "'ngram', datastore, 'early-exit:N' and model drafters over the static cache.")
+        window = context_window(engine.target.config) or MAX_TOKENS_WITHOUT_WINDOW
+        if max_length is None:
+            max_length = min(window, 4096)
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or not 2 <= max_length <= window:
+            raise ValueError(f"max_length must be an integer from 2 to the context window ({window}); got {max_length!r}.")
+        self.engine, self.slots, self.max_length = engine, slots, max_length
+        self.num_draft_tokens = num_draft_tokens
+        self._eos_token_id = eos_token_id
+        gammas = [g or num_draft_tokens for _, g in engine.arms]
+        gamma = max(gammas, default=num_draft_tokens)
+        self.gamma = gamma
+        capacity = -(-(max_length + gamma + 2) // 256) * 256
+        eos = parse_request([0], **self._defaults(1, False, 1.0, 0, 1.0, None)).eos
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(engine._generating)
+        models = [engine.target] + [d.model for d in engine.drafters if isinstance(d, ModelDrafter)]
+        self._stack.enter_context(eval_mode(*models))
+        try:
+            with torch.inference_mode():
+                if engine._target_lm.reset(slots, capacity):
+                    engine._graphs.clear()
+                    engine._buffers = None
+                shape = (slots, capacity, gamma, max(len(eos), 1), engine.target.config.hidden_size,
+                         engine._feature_layers)
+                workspace = Workspace(*shape, engine.target.device, dtype=engine.target.dtype)
+                self.stats = GenerationStats(
+                    per_drafter={d.name: DrafterStats() for d in engine.drafters},
+                    per_arm={engine.arm_label(a, num_draft_tokens): DrafterStats() for a in range(len(engine.arms))})
+                plan = Plan(target=engine._target_lm, drafters=engine.drafters, arm_drafters=[d for d, _ in engine.arms],
+                            arm_gammas=gammas, labels=[engine.arm_label(a, num_draft_tokens) for a in range(len(engine.arms))],
+                            selector=engine.selection.for_request(None), graphs=Graphs(enabled=False),
+                            workspace=workspace, commit_step=engine._commit_step, tp=None, queue_ahead=False)
+                self._run = _BatchRun(plan, self.stats, eos)
+        except BaseException:
+            self._stack.close()
+            raise
+        self._next_handle = 0
+        self._slot_of: dict[int, int] = {}
+        self.closed = False
+
+    def _defaults(self, max_new_tokens: Any, do_sample: Any, temperature: Any, top_k: Any, top_p: Any,
+                  seed: Any) -> dict[str, Any]:
+        engine = self.engine
+        return dict(attention_mask=None, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                    top_k=top_k, top_p=top_p, num_draft_tokens=self.num_draft_tokens,
+                    eos_token_id=self._eos_token_id, seed=seed, sync_every=1, context=None, target=engine.target,
+                    tokenizer=engine.tokenizer,
+                    drafter_models=[d.model for d in engine.drafters if isinstance(d, ModelDrafter)],
+                    gammas=[g for _, g in engine.arms], device=engine.device)
+
+    # ------------------------------------------------------------------ the step API
+    @property
+    def running(self) -> int:
+        """Requests in the batch (finished ones leave at the step that reports them)."""
+        return len(self._slot_of)
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - len(self._slot_of)
+
+    def check(self, prompt: Any, *, max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
+              top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Any:
+        """Validate one request as ``generate`` would, plus this batch's ``max_length``; return the
+        parsed :class:`~flashspec.request.Request` (a ``ValueError`` names what is wrong)."""
+        request = parse_request(prompt, **self._defaults(max_new_tokens, do_sample, temperature, top_k, top_p, seed))
+        if len(request.rows) != 1:
+            raise ValueError(f"A batch request is one prompt; got {len(request.rows)}.")
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1 for a request in a running batch.")
+        if request.longest + request.max_new_tokens > self.max_length:
+            raise ValueError(f"The prompt ({request.longest} tokens) plus max_new_tokens ({request.max_new_tokens}) "
+                             f"exceeds this server's maximum length of {self.max_length} tokens.")
+        return request
+
+    @torch.inference_mode()
+    def add(self, prompt: Any, **sampling: Any) -> int:
+        """Join a request (``prompt`` and ``generate``'s ``max_new_tokens``, ``do_sample``,
+        ``temperature``, ``top_k``, ``top_p``, ``seed``) at this step boundary: its prompt is fed
+        and its first token drawn now. Returns its handle; raises :class:`BatchFull` when no slot
+        is free and ``ValueError`` for a bad request."""
+        self._check_open()
+        request = self.check(prompt, **sampling)
+        if not self.free_slots:
+            raise BatchFull(f"All {self.slots} slots of the batch are taken.")
+        slot = next(b for b, row in enumerate(self._run.rows) if row is None)
+        generator = torch.Generator(device=self.engine.device)
+        seed = request.seed
+        generator.manual_seed(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
+        params = request.params if request.params.do_sample else GREEDY
+        handle = self._next_handle
+        self._next_handle += 1
+        row = _Row(handle, params, generator, request.longest, request.max_new_tokens)
+        try:
+            self._run.join(slot, request.rows[0], row)
+        except BaseException:
+            self._run.leave(slot)
+            raise
+        self._slot_of[handle] = slot
+        return handle
+
+    @torch.inference_mode()
+    def step(self) -> list[RowUpdate]:
+        """One speculative step over every request in the batch (none when the batch only holds
+        rows finished at their prefill), then each request's new tokens. A finished request has
+        left the batch when this returns; a fault in one row fails that request alone."""
+        self._check_open()
+        run = self._run
+        if not self._slot_of:
+            return []
+        failed: dict[int, str] = {}
+        if bool(run.active.any()):
+            run.step()
+            started = time.perf_counter()
+            fault = run.take_fault()
+            if fault is not None:
+                slot, message = fault
+                failed[slot] = message
+                run.ws.active[slot] = False
+            run.poll()
+            run.stats.decode_seconds += time.perf_counter() - started
+        lengths, generated, active = (t.tolist() for t in (run.length, run.generated, run.active))
+        updates = []
+        for handle, slot in list(self._slot_of.items()):
+            row = run.rows[slot]
+            end = lengths[slot]
+            start = row.prompt_length + row.reported
+            tokens = run.tokens[slot, start:end].tolist() if end > start else []
+            row.reported = generated[slot]
+            if slot in failed:
+                updates.append(RowUpdate(handle, tokens, True, "error", failed[slot]))
+            elif not active[slot]:
+                reason = "length" if generated[slot] >= row.max_new_tokens and not (
+                    tokens and tokens[-1] in run.ws.eos.tolist()) else "stop"
+                updates.append(RowUpdate(handle, tokens, True, reason))
+            else:
+                updates.append(RowUpdate(handle, tokens, False))
+                continue
+            self._free(handle)
+        run.stats.new_tokens += sum(len(u.tokens) for u in updates)
+        run.after_poll()
+        return updates
+
+    def cancel(self, handle: int) -> bool:
+        """Remove a request now (its slot is free for the next :meth:`add`); False if it had
+        already left."""
+        self._check_open()
+        if handle not in self._slot_of:
+            return False
+        with torch.inference_mode():
+            self._free(handle)
+        return True
+
+    def _free(self, handle: int) -> None:
+        self._run.leave(self._slot_of.pop(handle))
+
+    @torch.inference_mode()
+    def warmup(self, prompt_lengths: Sequence[int] = (1,)) -> float:
+        """Run a throw-away request of each prompt length through a prefill and one step of every
+        arm, at this batch's fixed shapes (slots, capacity), so that later requests pay no lazy
+        initialisation or compilation for them; returns the seconds it took. On a CPU without
+        ``compile`` nothing is compiled or captured: this only touches every code path once."""
+        started = time.perf_counter()
+        run = self._run
+        for width in prompt_lengths:
+            width = max(1, min(int(width), self.max_length - 2))
+            handle = self.add([0] * width, max_new_tokens=2)
+            saved = run.ws.max_new_tokens.clone()
+            arms = range(len(self.engine.arms)) if self.engine.arms else [None]
+            for arm in arms:
+                k = 0 if arm is None else run.plan.arm_gammas[arm]
+                run.ws.max_new_tokens.copy_(saved)
+                has_probs = run._propose(arm, k)
+                run._score_verify_commit(k, has_probs)
+                run.ws.length[self._slot_of[handle]] = width + 1  # forget what the step committed
+                run.ws.generated[self._slot_of[handle]] = 1
+                run.ws.active[self._slot_of[handle]] = True
+            run.take_fault()
+            self.cancel(handle)
+            run.after_poll()
+        return time.perf_counter() - started
+
+    # ------------------------------------------------------------------ lifetime
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("This batch is closed; open another with engine.batch(...).")
+
+    def close(self) -> None:
+        """Drop every request and hand the engine back (``generate`` may run again)."""
+        if not self.closed:
+            self.closed = True
+            self._slot_of.clear()
+            self._stack.close()
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

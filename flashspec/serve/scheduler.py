@@ -1,0 +1,222 @@
+"""The engine thread: admits queued requests into the running batch at step boundaries and hands
+each request's tokens to its asyncio handler (SPEC.md §12).
+
+Every engine call happens on this one thread (the engine is not thread-safe); handlers talk to it
+through a bounded queue of :class:`Ticket` objects, and it answers through each ticket's
+``asyncio.Queue`` (``loop.call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..batching import Batch
+from .metrics import Metrics
+
+__all__ = ["QueueFull", "Scheduler", "Ticket"]
+
+log = logging.getLogger("flashspec.serve")
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is full: answer 429."""
+
+
+@dataclass
+class Ticket:
+    """One request between its handler and the engine thread."""
+
+    ids: list[int]
+    sampling: dict[str, Any]  # Batch.add's keyword arguments
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("tokens", [...]) / ("done", reason) / ("error", msg)
+    arrived: float = field(default_factory=time.perf_counter)
+    handle: int | None = None
+    cancelled: bool = False
+    answered: bool = False  # the handler has its answer (a later cancel is not counted as one)
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def send(self, *event: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Scheduler:
+    """Runs ``engine``'s :class:`~flashspec.batching.Batch` in a background thread.
+
+    ``slots``: batch-size cap; ``max_prefill_tokens``: the token budget — prompt tokens fed at one
+    step boundary (a request with a longer prompt still joins, alone); ``max_queue``: requests
+    waiting beyond the running batch (more: :class:`QueueFull`, HTTP 429).
+    """
+
+    def __init__(self, engine: Any, metrics: Metrics, *, slots: int = 8, max_length: int | None = None,
+                 max_queue: int = 64, max_prefill_tokens: int = 2048, num_draft_tokens: int = 4,
+                 warmup_lengths: tuple[int, ...] = (1,)) -> None:
+        self.engine, self.metrics = engine, metrics
+        self.options = dict(slots=slots, max_length=max_length, num_draft_tokens=num_draft_tokens)
+        self.max_queue, self.max_prefill_tokens = max_queue, max_prefill_tokens
+        self.warmup_lengths = warmup_lengths
+        self._waiting: collections.deque[Ticket] = collections.deque()
+        self._cancels: list[Ticket] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self.batch: Batch | None = None
+        self.warmup_seconds = 0.0
+        self._running: dict[int, Ticket] = {}
+        self._seen = {"proposed": 0, "accepted": 0, "arms": {}}
+        self._thread = threading.Thread(target=self._main, name="flashspec-engine", daemon=True)
+
+    # ------------------------------------------------------------------ handler side
+    def start(self) -> None:
+        """Open the batch and warm it up on the engine thread; returns when it is ready."""
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    def check(self, ids: list[int], sampling: dict[str, Any]) -> None:
+        """Raise ``ValueError`` for a request the batch would refuse (pure: reads configs only)."""
+        assert self.batch is not None
+        self.batch.check(ids, **sampling)
+
+    def submit(self, ticket: Ticket) -> None:
+        with self._wake:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"The server's queue is full ({self.max_queue} requests waiting); retry shortly.")
+            self._waiting.append(ticket)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._wake.notify()
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop ``ticket`` (a client that left, a stop string): its slot is freed at the next boundary."""
+        with self._wake:
+            if not ticket.cancelled:
+                ticket.cancelled = True
+                self._cancels.append(ticket)
+                self._wake.notify()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    # ------------------------------------------------------------------ engine thread
+    def _main(self) -> None:
+        first = True
+        while not self._stopping:
+            try:
+                with self.engine.batch(**self.options) as batch:
+                    self.batch = batch
+                    self._seen = {"proposed": 0, "accepted": 0, "arms": {}}
+                    if first:
+                        self.warmup_seconds = batch.warmup(self.warmup_lengths)
+                        first = False
+                        self._ready.set()
+                    self._serve(batch)
+            except BaseException as error:  # noqa: BLE001 — a failed step fails its requests, not the server
+                if first:
+                    self._startup_error = error
+                    self._ready.set()
+                    return
+                log.exception("decode step failed; the running requests fail and the batch restarts")
+                for ticket in self._running.values():
+                    ticket.send("error", f"The decode step failed: {error}")
+                    self.metrics.requests.labels("error").inc()
+                self._running.clear()
+                self.metrics.running.set(0)
+
+    def _serve(self, batch: Batch) -> None:
+        while True:
+            with self._wake:
+                if self._stopping:
+                    return
+                cancels, self._cancels = self._cancels, []
+                admitted: list[Ticket] = []
+                budget = self.max_prefill_tokens
+                while self._waiting and batch.free_slots - len(admitted) > 0:
+                    ticket = self._waiting[0]
+                    if admitted and len(ticket.ids) > budget:
+                        break
+                    self._waiting.popleft()
+                    if ticket.cancelled:
+                        continue
+                    budget -= len(ticket.ids)
+                    admitted.append(ticket)
+                self.metrics.queue_depth.set(len(self._waiting))
+                if not cancels and not admitted and not batch.running:
+                    self._wake.wait(timeout=0.5)
+                    continue
+            for ticket in cancels:
+                if ticket.handle is not None and self._running.pop(ticket.handle, None) is not None:
+                    batch.cancel(ticket.handle)
+                    if not ticket.answered:
+                        self.metrics.requests.labels("cancelled").inc()
+            for ticket in admitted:
+                try:
+                    ticket.handle = batch.add(ticket.ids, **ticket.sampling)
+                except ValueError as error:  # this request alone
+                    ticket.send("error", str(error))
+                    self.metrics.requests.labels("error").inc()
+                    continue
+                self._running[ticket.handle] = ticket
+                self.metrics.prompt_tokens.inc(len(ticket.ids))
+            self.metrics.running.set(len(self._running))
+            updates = batch.step()
+            now = time.perf_counter()
+            for update in updates:
+                ticket = self._running.get(update.handle)
+                if ticket is None:
+                    continue
+                if update.tokens:
+                    self._observe(ticket, len(update.tokens), now)
+                    ticket.send("tokens", update.tokens)
+                if update.finished:
+                    del self._running[update.handle]
+                    if update.error is not None:
+                        ticket.send("error", update.error)
+                        self.metrics.requests.labels("error").inc()
+                    else:
+                        ticket.send("done", update.finish_reason)
+            self.metrics.running.set(len(self._running))
+            self._observe_stats(batch)
+
+    def _observe(self, ticket: Ticket, count: int, now: float) -> None:
+        metrics = self.metrics
+        metrics.generated_tokens.inc(count)
+        if ticket.first_token is None:
+            ticket.first_token = now
+            metrics.ttft.observe(now - ticket.arrived)
+            count -= 1
+        elif ticket.last_token is not None:
+            gap = (now - ticket.last_token) / count
+            for _ in range(count):
+                metrics.itl.observe(gap)
+        ticket.last_token = now
+
+    def _observe_stats(self, batch: Batch) -> None:
+        stats, seen, metrics = batch.stats, self._seen, self.metrics
+        metrics.proposed.inc(stats.proposed - seen["proposed"])
+        metrics.accepted.inc(stats.accepted - seen["accepted"])
+        seen["proposed"], seen["accepted"] = stats.proposed, stats.accepted
+        for label, per in stats.per_arm.items():
+            metrics.selections.labels(label).inc(per.steps - seen["arms"].get(label, 0))
+            seen["arms"][label] = per.steps
+        metrics.acceptance_rate.set(stats.acceptance_rate)
+        metrics.tokens_per_step.set(stats.mean_tokens_per_step)
