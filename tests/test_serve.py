@@ -208,6 +208,9 @@ def _leave_early(server):
                       json={"prompt": "Hello", "max_tokens": 180, "temperature": 0, "stream": True}) as response:
         for _ in response.iter_lines():
             break
+        deadline = time.time() + 10  # the request may join the batch after its first line (a busy machine)
+        while httpx.get(server.url + "/health").json()["running"] != 1 and time.time() < deadline:
+            time.sleep(0.02)
         assert httpx.get(server.url + "/health").json()["running"] == 1
     deadline = time.time() + 10
     while httpx.get(server.url + "/health").json()["running"] and time.time() < deadline:
