@@ -23,7 +23,7 @@ def add_parsers(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for add in (_core_parser, _forward_parser, _bandit_parser, _select_parser, _gpu_parser, _e2e_parser,
-                _acceptance_parser, _tp_parser):
+                _acceptance_parser, _tp_parser, _serve_parser):
         add(bench_sub)
 
 
@@ -193,6 +193,36 @@ def _tp_parser(sub: Any) -> None:
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny stand-in shapes (runs on CPUs with gloo)")
     p.set_defaults(run=bench_tp)
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="load test of flashspec serve on loopback: concurrent streaming clients, "
+                                     "a burst past the queue, TTFT of new prompt lengths (issue 21)")
+    p.add_argument("--target", required=True, help="folder, hub id or .gguf file")
+    p.add_argument("--draft", action="append", default=None, help="a drafter (repeatable); default: ngram")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--corpus", default="../shared/corpus", help="prompts from its held-out text (else a word list)")
+    p.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
+    p.add_argument("--requests", type=int, default=256, help="requests of the load phase")
+    p.add_argument("--sequential", type=int, default=32, help="the first K of them again, one at a time")
+    p.add_argument("--min-tokens", type=int, default=8, help="max_tokens of a request: from here ...")
+    p.add_argument("--max-tokens", type=int, default=32, help="... to here")
+    p.add_argument("--prompt-lengths", default="16,32,64,128,200", help="comma-separated prompt token counts")
+    p.add_argument("--max-batch", type=int, default=8, help="the server's batch slots")
+    p.add_argument("--max-length", type=int, default=512, help="the server's prompt + max_tokens limit")
+    p.add_argument("--max-queue", type=int, default=16, help="the burst server's queue (the load server's: --clients)")
+    p.add_argument("--burst", type=int, default=64, help="non-streaming requests sent at once to the burst server")
+    p.add_argument("--ttft-lengths", default="16,64,200", help="prompt lengths of the first-vs-warm TTFT check")
+    p.add_argument("--ttft-repeats", type=int, default=3)
+    p.add_argument("--ttft-tokens", type=int, default=16, help="max_tokens of the TTFT requests")
+    p.add_argument("--reference-batch", type=int, default=8, help="greedy prompts per offline generate call")
+    p.add_argument("--num-draft-tokens", "--gamma", type=int, default=4)
+    p.add_argument("--timeout-s", type=float, default=600.0, help="bound on the whole run (no request starts later)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: the server's (float32 on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/serve_cpu", help="folder for serve.json and serve.md")
+    p.set_defaults(run=bench_serve)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -393,3 +423,35 @@ def bench_tp(args: argparse.Namespace) -> None:
         print(tp.summarize(Path(args.summarize)))
         return
     tp.run(tp.TPOptions(**{f.name: getattr(args, f.name) for f in fields(tp.TPOptions)}))
+
+
+def _lengths(name: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(n) for n in _names(text))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise ValueError(f"{name} must be comma-separated integers >= 1; got {text!r}.")
+    return values
+
+
+def bench_serve(args: argparse.Namespace) -> None:
+    """``flashspec serve`` under load on loopback (issue 21)."""
+    from . import serve
+
+    options = dict(clients=args.clients, requests=args.requests, sequential=args.sequential,
+                   min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                   prompt_lengths=_lengths("--prompt-lengths", args.prompt_lengths), slots=args.max_batch,
+                   max_length=args.max_length, max_queue=args.max_queue, burst=args.burst,
+                   ttft_lengths=_lengths("--ttft-lengths", args.ttft_lengths), ttft_repeats=args.ttft_repeats,
+                   ttft_tokens=args.ttft_tokens, timeout_s=args.timeout_s)
+    serve.check_options(**options)
+    if args.reference_batch < 1:
+        raise ValueError(f"--reference-batch must be >= 1; got {args.reference_batch}.")
+    drafts = args.draft or ["ngram"]
+    engine = _engine(args.target, drafts, args.tokenizer, args.device, args.dtype)
+    results = serve.run(engine, corpus=Path(args.corpus), num_draft_tokens=args.num_draft_tokens, seed=args.seed,
+                        reference_batch=args.reference_batch,
+                        config={"target": args.target, "drafts": drafts}, **options)
+    serve.write(results, args.out)
+    print(serve.summarize(results))
