@@ -337,6 +337,12 @@ def run(engine: Any, *, corpus: Path | None, clients: int = 64, requests: int = 
                   max_tokens=max_tokens, prompt_lengths=tuple(prompt_lengths), slots=slots, max_length=max_length,
                   max_queue=max_queue, burst=burst, ttft_lengths=tuple(ttft_lengths), ttft_repeats=ttft_repeats,
                   ttft_tokens=ttft_tokens, timeout_s=timeout_s)
+    try:
+        import httpx  # noqa: F401
+        import openai  # noqa: F401
+    except ImportError as error:
+        raise ValueError(f"bench serve's clients are the official openai client over httpx: pip install openai httpx "
+                         f"({error}).") from None
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError("bench serve needs a tokenizer: the target has none; pass --tokenizer.")

@@ -5,12 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
-pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
-pytest.importorskip("prometheus_client")
-pytest.importorskip("openai")
-
 from chat_tokenizer import save_tiny_chat_pair
 
 from flashspec import SpeculativeEngine
