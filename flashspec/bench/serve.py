@@ -26,7 +26,6 @@ import itertools
 import math
 import platform
 import random
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -303,7 +302,12 @@ def _latencies(records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
 
 
 def _rss_mb() -> dict[str, float | None]:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    try:
+        import resource  # Unix only: no peak RSS on Windows
+
+        peak: float | None = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    except ImportError:
+        peak = None
     try:
         import psutil
 
