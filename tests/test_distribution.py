@@ -274,3 +274,38 @@ class ConstantDrafter:
 def test_custom_deterministic_drafter_keeps_the_law():
     samples, _ = run(ConstantDrafter(), 0.7, top_k=5)
     assert chi_square_pvalue(samples, exact_law(0.7, 5, 1.0)) > ALPHA
+
+
+# ------------------------------------------------------------------ continuous batching (SPEC.md §12)
+BATCH_SAMPLES = 10_000
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_rows_sharing_a_batch_with_other_parameters_sample_the_exact_law(gamma):
+    """A batch whose rows sample with different parameters verifies them in groups and drafts
+    greedily (one-hot q, SPEC.md §12): the tested rows (T = 0.7, top-k 5, top-p 0.9, a noisy
+    drafter: p != q) still follow the target's law, while greedy and T = 1.3 rows share every step."""
+    engine = SpeculativeEngine(TARGET, [noisy_copy(TARGET, noise=1.0, seed=7)], device="cpu")
+    samples, handles = [], set()
+    torch.manual_seed(0)
+    with engine.batch(slots=24, max_length=32, num_draft_tokens=gamma, eos_token_id=[]) as batch:
+        tokens: dict[int, list[int]] = {}
+        while len(samples) < BATCH_SAMPLES:
+            for i in range(batch.free_slots):
+                kind = i % 3
+                if kind == 0:  # the rows under test
+                    handle = batch.add(PROMPT, max_new_tokens=3, do_sample=True, temperature=0.7, top_k=5, top_p=0.9)
+                    handles.add(handle)
+                elif kind == 1:
+                    handle = batch.add(PROMPT, max_new_tokens=5)  # greedy
+                else:
+                    handle = batch.add(PROMPT, max_new_tokens=4, do_sample=True, temperature=1.3)
+                tokens[handle] = []
+            for update in batch.step():
+                tokens[update.handle].extend(update.tokens)
+                if update.finished and update.handle in handles:
+                    samples.append(tokens[update.handle][:3])
+    samples = np.array(samples[:BATCH_SAMPLES])
+    assert samples.shape == (BATCH_SAMPLES, 3)
+    pvalue = chi_square_pvalue(samples, exact_law(0.7, 5, 0.9))
+    assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: a batched row's law differs from the target's"
