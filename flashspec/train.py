@@ -380,20 +380,29 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
         p.requires_grad_(False)  # restored below
     groups = _parameter_groups(head, options)
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
-    warmup = max(1, options.steps // WARMUP)
+    peaks = [group["lr"] for group in groups]
 
-    def rate(step: int) -> float:  # linear warm-up, then cosine down to FLOOR of the peak
-        if step < warmup:
-            return (step + 1) / warmup
-        done = (step - warmup) / max(1, options.steps - warmup)
+    def rate(step: int, elapsed: float) -> float:
+        """The learning rates' fraction of their peak at ``progress``, the share of the steps or of
+        ``max_seconds`` spent, whichever is larger (a time-capped run still anneals): a linear
+        warm-up over the first 1/WARMUP, then a cosine down to FLOOR."""
+        progress = step / options.steps
+        if options.max_seconds is not None:
+            progress = max(progress, elapsed / options.max_seconds)
+        progress = min(1.0, progress)
+        warm = 1 / WARMUP
+        if progress < warm:
+            return max(progress, 1 / options.steps) / warm
+        done = (progress - warm) / (1 - warm)
         return FLOOR + (1 - FLOOR) * 0.5 * (1 + math.cos(math.pi * done))
 
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     trainable = [p for group in groups for p in group["params"]]
     generator = torch.Generator().manual_seed(options.seed)
     log: dict[str, Any] = {"kind": kind, "options": asdict(options), "loss": [], "estimates": [], "tokens": 0}
     if estimate is not None:
         log["estimates"].append(_estimate(0, _acceptance(head, draft, target, estimate, options.batch)))
+    for group, peak in zip(optimizer.param_groups, peaks):
+        group["lr"] = peak * rate(0, 0.0)
     started = time.perf_counter()
     try:
         bar = tqdm(range(options.steps), disable=not progress, desc=f"training {kind} drafter", unit="step")
@@ -408,10 +417,14 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, CLIP)
             optimizer.step()
-            schedule.step()
+            elapsed = time.perf_counter() - started
+            fraction = rate(step + 1, elapsed)  # the next step's learning rates
+            for group, peak in zip(optimizer.param_groups, peaks):
+                group["lr"] = peak * fraction
+            log["lr_fraction"] = fraction
             log["loss"].append(loss.item())
             log["tokens"] += ids.numel()
-            out_of_time = options.max_seconds is not None and time.perf_counter() - started > options.max_seconds
+            out_of_time = options.max_seconds is not None and elapsed > options.max_seconds
             if estimate is not None and ((step + 1) % options.estimate_every == 0 or step + 1 == options.steps
                                          or out_of_time):
                 alphas = _acceptance(head, draft, target, estimate, options.batch)

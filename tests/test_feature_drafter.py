@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from flashspec import FeatureDrafter, FeatureHead, ShallowDrafter, ShallowHead, SpeculativeEngine
 from flashspec.cli import main
-from flashspec.train import TrainOptions, load_feature_head, load_head, save_drafter, train_feature_head, train_head
+from flashspec.train import FLOOR, TrainOptions, load_feature_head, load_head, save_drafter, train_feature_head, train_head
 from tiny_models import tiny_model
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -80,6 +80,7 @@ def test_training_lowers_the_loss_and_raises_acceptance(target, self_generated, 
     assert log["loss"][-1] < log["loss"][0]
     assert log["estimates"][-1]["alpha1"] > untrained["estimates"][-1]["alpha1"] + 0.05
     assert log["tokens"] == 120 * 8 * 32 and log["seconds"] > 0
+    assert log["lr_fraction"] == pytest.approx(FLOOR)  # warm-up, then a cosine that ends at the floor
 
 
 @pytest.mark.parametrize("kind", ["feature", "shallow"])
@@ -373,6 +374,7 @@ def test_max_seconds_stops_training_early_and_says_so(target, self_generated):
     _, log = train_feature_head(target, self_generated[:40], options, estimate=self_generated[40:], progress=False)
     assert 1 <= log["stopped_at_step"] < 10_000 == options.steps
     assert len(log["loss"]) == log["stopped_at_step"] and log["estimates"][-1]["step"] == log["stopped_at_step"]
+    assert log["lr_fraction"] == pytest.approx(FLOOR)  # the schedule follows the clock: annealed at the cap
     with pytest.raises(ValueError, match="max_seconds"):
         TrainOptions(max_seconds=0)
 
