@@ -5,7 +5,7 @@
 # only) so that all three fit one session's 30 minutes of device time with the model transfer.
 #
 # Expects, on the GPU machine: /tmp/models/target.gguf and /tmp/models/draft.gguf (joined from
-# `split -b 55m` pieces, checked here), the gguf wheel in .whl/ and the corpus in
+# `split -b` pieces (size: BENCHMARKS.md "How the H200 runs were made"), checked here), the gguf wheel in .whl/ and the corpus in
 # device_carry/corpus (both ignored by git; see BENCHMARKS.md "How the H200 runs were made").
 # transformers' systems run on the first 3 prompts of each domain at batch 1 (at 20-50 tokens/s they
 # would take most of the session's GPU time); FlashSpec's on all 20; ratios are paired per prompt.

@@ -4,7 +4,7 @@
 # and the Llama-3-8B shape end to end: roofline, step anatomy, bf16 drift, float32 equality).
 #
 # Expects, on the GPU machine: /tmp/models/target.gguf and /tmp/models/draft.gguf (joined from
-# `split -b 55m` pieces, checked here), the gguf wheel in .whl/ and the corpus in
+# `split -b` pieces (size: BENCHMARKS.md "How the H200 runs were made"), checked here), the gguf wheel in .whl/ and the corpus in
 # device_carry/corpus (both ignored by git; see BENCHMARKS.md "How the H200 runs were made").
 # Usage: bash benchmarks/gpu_h200.sh OUTDIR
 set -uo pipefail

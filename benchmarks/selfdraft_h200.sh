@@ -14,7 +14,7 @@
 #   3. acceptance per drafter × γ × domain × style (`flashspec bench acceptance`);
 #   4. end to end, batch 1 and 8, greedy and T = 0.7, 256 new tokens (`flashspec bench e2e`);
 #   5. if time is left (BUDGET_MINUTES from the start, default 21): per-domain shallow deltas.
-# Expects /tmp/models/{target,draft}.gguf (joined from `split -b 55m` pieces), the gguf wheel in
+# Expects /tmp/models/{target,draft}.gguf (joined from `split -b` pieces (size: BENCHMARKS.md "How the H200 runs were made")), the gguf wheel in
 # .whl/ and the corpus in device_carry/corpus (see BENCHMARKS.md "How the H200 runs were made").
 # Usage: bash benchmarks/selfdraft_h200.sh OUTDIR   (prints "== done" at the end; "== trained"
 # when the checkpoints to keep are in OUTDIR/keep.tar)

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from .bench.cli import add_parsers as add_bench_parsers
-from .demo import DEMO_PROMPT
+from .demo import DEMO_PROMPT, DRAFTER_KINDS
 from .distill import add_parser as add_distill_parser
 from .models import DTYPES
 from .serve import add_parser as add_serve_parser
@@ -46,8 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling(gen)
     gen.set_defaults(run=generate)
 
-    demo_parser = sub.add_parser("demo", help="Qwen2.5-Coder 1.5B with its 0.5B drafter on a code prompt")
+    demo_parser = sub.add_parser("demo", help="Qwen2.5-Coder 1.5B with a drafter trained from it, on a code prompt")
     demo_parser.add_argument("--prompt", default=DEMO_PROMPT)
+    demo_parser.add_argument("--drafter", default="feature", choices=list(DRAFTER_KINDS),
+                             help="feature (default): the feature drafter trained from the target, shipped in "
+                                  "the package; model: the 0.5B Qwen2.5-Coder model")
     _add_sampling(demo_parser)
     # On the CPU a bf16 matmul costs the same for 1 and 5 tokens, a float32 one does not
     # (BENCHMARKS.md), so the demo runs in bfloat16 everywhere.
@@ -125,7 +128,7 @@ def demo(args: argparse.Namespace) -> None:
     from .demo import demo_pair
 
     _sampling_options(args)  # checked before the download and minutes of model loading
-    target, draft = demo_pair()
+    target, draft = demo_pair(args.drafter)
     engine, baseline = _load_pair(target, [draft], None, args.device, args.dtype)
     _complete(engine, baseline, args.prompt, args)
 

