@@ -44,8 +44,8 @@ load_tokenizer(f"/tmp/models/{name}.gguf").save_pretrained(f"/tmp/hf/{name}")
 EOF
 }
 
-stamp "gpu tests (every CUDA test, and the unrolled-training tests on this transformers)"
-timeout 420 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_gpu.py \
+stamp "gpu tests (every CUDA test, verify reuse, and the unrolled-training test on this transformers)"
+timeout 420 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_gpu.py tests/test_shallow_reuse.py \
     "tests/test_feature_drafter.py::test_unrolled_passes_compute_what_the_drafter_computes_at_each_draft_depth" \
     > "$out/gpu_tests.log" 2>&1 &
 tests=$!

@@ -27,7 +27,14 @@ from typing import Any
 import torch
 
 from .cache import StaticLM
-from .drafters import DatastoreDrafter, EarlyExitDrafter, ModelDrafter, NgramDrafter
+from .drafters import (
+    DatastoreDrafter,
+    EarlyExitDrafter,
+    FeatureDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    ShallowDrafter,
+)
 from .drafters.base import History
 from .graphs import Graphs
 from .loop import FAULTS, Plan, Workspace, _Run, commit_tokens
@@ -76,7 +83,7 @@ class _BatchRun(_Run):
     """The decode loop's state over fixed slots whose rows come and go (the same stages as
     ``generate``'s :class:`~flashspec.loop._Run`; only row admission and sampling differ)."""
 
-    def __init__(self, plan: Plan, stats: GenerationStats, eos: Sequence[int]) -> None:  # noqa: D107
+    def __init__(self, plan: Plan, stats: GenerationStats, eos: Sequence[int], max_length: int) -> None:  # noqa: D107
         ws = plan.workspace
         device = ws.tokens.device
         self.plan, self.params, self.stats, self.context = plan, GREEDY, stats, None
@@ -95,7 +102,10 @@ class _BatchRun(_Run):
         ws.steps_taken.zero_()
         ws.fault.zero_()
         self.tokens, self.length, self.active, self.generated = ws.tokens, ws.length, ws.active, ws.generated
-        self.max_length = 1
+        # The host bound on row lengths starts at the batch's max_length, which no row ever passes,
+        # so a row that joins never raises it: the drafters' catch-up windows, sized from how the
+        # bound grew since their last proposal, stay those of the rows already there (SPEC.md §12).
+        self.max_length = max_length
         self.length_limit = 2**62  # max_length only grows (after_poll); drafters clamp to the capacity
         self.rng = None  # each row has its own (rows[b].generator)
         self.draft_uniforms = ws.random[:, : self.gamma]
@@ -229,10 +239,12 @@ class Batch:
         if engine._tp is not None:
             raise ValueError("Continuous batching does not support tensor-parallel targets yet.")
         for d in engine.drafters:
-            if not (isinstance(d, (NgramDrafter, DatastoreDrafter, EarlyExitDrafter))
+            if not (isinstance(d, (NgramDrafter, DatastoreDrafter, EarlyExitDrafter, FeatureDrafter, ShallowDrafter))
                     or (isinstance(d, ModelDrafter) and isinstance(d._lm, StaticLM))):
                 raise ValueError(f"Drafter {d.name!r} cannot join a running batch: continuous batching supports "
-                                 "'ngram', datastore, 'early-exit:N' and model drafters over the static cache.")
+                                 "'ngram', datastore, 'early-exit:N', 'feature:DIR', 'shallow:DIR' and model "
+                                 "drafters over FlashSpec's static cache (a drafter with a cache of its own must "
+                                 "be able to feed one new row alone).")
         window = context_window(engine.target.config) or MAX_TOKENS_WITHOUT_WINDOW
         if max_length is None:
             max_length = min(window, 4096)
@@ -265,7 +277,7 @@ class Batch:
                             arm_gammas=gammas, labels=[engine.arm_label(a, num_draft_tokens) for a in range(len(engine.arms))],
                             selector=engine.selection.for_request(None), graphs=Graphs(enabled=False),
                             workspace=workspace, commit_step=engine._commit_step, tp=None, queue_ahead=False)
-                self._run = _BatchRun(plan, self.stats, eos)
+                self._run = _BatchRun(plan, self.stats, eos, max_length)
         except BaseException:
             self._stack.close()
             raise
@@ -405,7 +417,7 @@ class Batch:
                 k = 0 if arm is None else run.plan.arm_gammas[arm]
                 run.ws.max_new_tokens.copy_(saved)
                 has_probs = run._propose(arm, k)
-                run._score_verify_commit(k, has_probs)
+                run._score_verify_commit(k, has_probs, run.states_layer)
                 run.ws.length[self._slot_of[handle]] = width + 1  # forget what the step committed
                 run.ws.generated[self._slot_of[handle]] = 1
                 run.ws.active[self._slot_of[handle]] = True

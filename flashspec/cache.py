@@ -199,6 +199,7 @@ class StaticLM:
         hidden_out: dict[int, torch.Tensor] | None = None,
         embeds: torch.Tensor | None = None,
         head: bool = True,
+        first_layer: int = 0,
     ) -> torch.Tensor:
         """Feed ``tokens [B, q]`` at positions ``start[b] + j``; logits ``[B, q, V]``, or only the
         columns ``logits_at [B, m]``. ``real`` is accepted for interface parity and ignored:
@@ -209,21 +210,32 @@ class StaticLM:
         (for ``n`` = all of them: before the final norm) of every fed position there, for drafters
         that read the target's features (SPEC.md §11). ``embeds [B, q, hidden]``: feed these input
         vectors instead of ``tokens``' embeddings. ``head=False``: return the last layer run's
-        output (before the final norm) instead of logits."""
+        output (before the final norm) instead of logits. ``first_layer=n`` with ``embeds``: those
+        vectors are the output of the first ``n`` layers at the fed positions (their cache entries
+        already written); run layers ``n`` on only (and write ``hidden_out[n]`` with ``embeds``) —
+        the verify forward that reuses a shallow drafter's states (SPEC.md §11)."""
+        if first_layer:
+            stop = len(self.base.layers) if layers is None else layers
+            if isinstance(first_layer, bool) or not isinstance(first_layer, int) or not 0 < first_layer <= stop:
+                raise ValueError(f"first_layer must be an integer from 0 to the last layer run ({stop}); "
+                                 f"got {first_layer!r}.")
+            if embeds is None:
+                raise ValueError("first_layer > 0 starts from given hidden states: pass them as embeds "
+                                 "(the output of the first first_layer layers at the fed positions).")
         started = time.perf_counter()
         width = (tokens if embeds is None else embeds).shape[1]
         compiled = self._compiled is not None and width <= self.COMPILED_WIDTHS
         inputs = (self._compiled_inputs if compiled else self._inputs)(tokens, start, embeds)
         if compiled:
-            logits = self._compiled(*inputs, logits_at, layers, hidden_out, head)
+            logits = self._compiled(*inputs, logits_at, layers, hidden_out, head, first_layer)
         elif inputs[0].is_cuda:
             # Prefills (and uncompiled decodes) on CUDA: SDPA without the cuDNN backend, which
             # plans each new query length afresh (SPEC.md §3; ≈ 50 ms per new prompt length on an
             # H200, docs/lab/NOTES.md, probe 9): every request's prompt length is usually new.
             with sdpa_kernel(_SDPA_BACKENDS):
-                logits = self._forward(*inputs, logits_at, layers, hidden_out, head)
+                logits = self._forward(*inputs, logits_at, layers, hidden_out, head, first_layer)
         else:
-            logits = self._forward(*inputs, logits_at, layers, hidden_out, head)
+            logits = self._forward(*inputs, logits_at, layers, hidden_out, head, first_layer)
         self.forward_seconds += time.perf_counter() - started
         return logits
 
@@ -247,7 +259,7 @@ class StaticLM:
     def _forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         logits_at: torch.Tensor | None, layers: int | None = None,
-        hidden_out: dict[int, torch.Tensor] | None = None, head: bool = True,
+        hidden_out: dict[int, torch.Tensor] | None = None, head: bool = True, first_layer: int = 0,
     ) -> torch.Tensor:
         batch, width, _ = x.shape
         device = x.device
@@ -266,7 +278,10 @@ class StaticLM:
         if use_kernel and batch * width <= _LINEAR_ROWS and getattr(self.model, "_flashspec_tp", None) is None:
             fused = self.decode_maps if batch * width == 1 else self.decode_maps_wide
 
-        for i, layer in enumerate(self.base.layers[:layers]):
+        if first_layer and hidden_out is not None and first_layer in hidden_out:  # the features fed in
+            _write_features(hidden_out[first_layer], positions, x)
+        for i in range(first_layer, len(self.base.layers) if layers is None else layers):
+            layer = self.base.layers[i]
             attn, mlp = layer.self_attn, layer.mlp
             if "qkv" in fused:
                 norm = layer.input_layernorm
@@ -306,11 +321,15 @@ class StaticLM:
             else:
                 x = x + mlp.down_proj(h)
             if hidden_out is not None and i + 1 in hidden_out:  # the features after layer i, at their positions
-                out_buffer = hidden_out[i + 1]
-                out_buffer.scatter_(1, positions[..., None].expand(-1, -1, x.shape[-1]), x.to(out_buffer.dtype))
+                _write_features(hidden_out[i + 1], positions, x)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.model.lm_head(self.base.norm(x)) if head else x
+
+
+def _write_features(buffer: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
+    """``buffer [B, capacity, hidden]`` at ``positions [B, q]`` ← ``x [B, q, hidden]`` (SPEC.md §11)."""
+    buffer.scatter_(1, positions[..., None].expand(-1, -1, x.shape[-1]), x.to(buffer.dtype))
 
 
 def _sixteen_bit(model: PreTrainedModel) -> bool:

@@ -61,6 +61,13 @@ class SpeculativeEngine:
         compile: run decode-step forwards of Llama-family models through ``torch.compile``
             (fuses small kernels; pays off on a GPU after a one-off compilation per shape), and
             on a GPU the step's bookkeeping after verification too (:func:`commit_step`).
+        reuse_shallow: ``True`` — at the steps a ``"shallow:DIR"`` drafter drafts, the target's
+            verify forward does not recompute its first ``N`` layers for the positions that drafter
+            already fed through them, but starts from its states (LayerSkip-style; SPEC.md §11,
+            verify reuse). Exact in exact arithmetic and token for token equal in float32 tests,
+            but in bfloat16 the logits may differ from the verify without reuse in the last bits
+            (one-token forwards round differently from a ``(k+1)``-token one), so it is off by
+            default. Needs a shallow drafter and one device (no tensor parallelism).
     """
 
     def __init__(
@@ -76,7 +83,11 @@ class SpeculativeEngine:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         compile: bool = False,
+        reuse_shallow: bool = False,
     ) -> None:
+        if not isinstance(reuse_shallow, bool):
+            raise ValueError(f"reuse_shallow must be True or False; got {reuse_shallow!r}.")
+        self.reuse_shallow = reuse_shallow
         options = parse_engine_options(
             drafters=drafters, gammas=gammas, selector_options=selector_options, share_selector=share_selector,
             tokenizer=tokenizer, device=device, dtype=dtype, compile=compile)
@@ -93,6 +104,8 @@ class SpeculativeEngine:
             if d.name in names:
                 d.name = f"{d.name}#{i}"
             names.add(d.name)
+        if reuse_shallow:
+            self._check_reuse()
         # The layer counts after which drafters read the target's features (SPEC.md §11).
         self._feature_layers = tuple(sorted({d.feature_layer for d in self.drafters
                                              if getattr(d, "uses_hidden_states", False)}))
@@ -196,6 +209,18 @@ class SpeculativeEngine:
             return spec
         raise ValueError(f"Cannot use {spec!r} as a drafter: give a model, a path, 'ngram' or a Drafter.")
 
+    def _check_reuse(self) -> None:
+        """``reuse_shallow=True`` needs a drafter whose states the verify can reuse, on one device."""
+        if not any(isinstance(d, ShallowDrafter) and d.reuse for d in self.drafters):
+            names = ", ".join(repr(d.name) for d in self.drafters) or "none"
+            raise ValueError("reuse_shallow=True lets the verify forward reuse the states of a shallow drafter "
+                             "('shallow:DIR', SPEC.md §11), the only drafter kind that hands them back, but "
+                             f"this engine has no shallow drafter (drafters: {names}).")
+        if self._tp is not None:
+            raise ValueError("reuse_shallow=True does not work with a tensor-parallel target: each rank's drafter "
+                             "fed its own drafts, which may differ from rank 0's that every rank verifies "
+                             "(SPEC.md §9, §11).")
+
     def _made_from_target(self, spec: str) -> Drafter:
         """``early-exit:N``, ``feature:DIR`` or ``shallow:DIR``: a drafter sharing this engine's own
         target, its weights and its cache (SPEC.md §11)."""
@@ -208,8 +233,10 @@ class SpeculativeEngine:
 
         kind, folder = spec.split(":", 1)
         head = load_head(folder, self.target, kind)
-        cls = FeatureDrafter if kind == "feature" else ShallowDrafter
-        return cls(self._target_lm, head, name=f"{kind}-{Path(folder).name or 'drafter'}")
+        name = f"{kind}-{Path(folder).name or 'drafter'}"
+        if kind == "feature":
+            return FeatureDrafter(self._target_lm, head, name=name)
+        return ShallowDrafter(self._target_lm, head, name=name, reuse=self.reuse_shallow)
 
     # ------------------------------------------------------------------ generate
     @torch.inference_mode()

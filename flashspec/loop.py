@@ -73,6 +73,9 @@ class Workspace:
         self.random = torch.zeros(batch, 2 * gamma + 1, dtype=torch.float64, device=device)
         self.draft_tokens = torch.zeros(batch, gamma, **long)
         self.draft_probs: torch.Tensor | None = None  # [B, gamma, V], allocated on first use
+        # The target's states a drafter handed back for the verify to reuse (Draft.states, SPEC.md
+        # §11): [B, gamma, hidden], allocated on first use.
+        self.draft_states: torch.Tensor | None = None
         # Per-step log, read lagged: accepted drafts, rows still active, tokens committed.
         self.log = torch.zeros(capacity + 1, 3, **long)
         self.steps_taken = torch.zeros((), **long)
@@ -239,7 +242,8 @@ class _Run:
         self.clock.mark()
         arm, k = self._select()
         has_probs = self._propose(arm, k)
-        self.plan.graphs.run((k, has_probs, self.params), lambda: self._score_verify_commit(k, has_probs))
+        reuse = self.states_layer
+        self.plan.graphs.run((k, has_probs, self.params, reuse), lambda: self._score_verify_commit(k, has_probs, reuse))
         self.chosen.append(arm)
         self.proposed.append(k)
         self.max_length = min(self.max_length + k + 1, self.length_limit)
@@ -254,11 +258,16 @@ class _Run:
         self.stats.selector_seconds += time.perf_counter() - started
         return arm, self.plan.arm_gammas[arm]
 
+    # The layer count after which this step's drafter handed back the target's states
+    # (ws.draft_states, SPEC.md §11 verify reuse), or None; set by _propose.
+    states_layer: int | None = None
+
     def _propose(self, arm: int | None, k: int) -> bool:
         """Draw this step's random numbers and let the arm's drafter fill the draft buffers;
-        returns whether the drafts come with their laws ``q``."""
+        returns whether the drafts come with their laws ``q``. Sets :attr:`states_layer`."""
         ws, tp = self.ws, self.plan.tp
         self._draw_random()
+        self.states_layer = None
         if arm is None:
             return False
         history = History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden)
@@ -274,6 +283,14 @@ class _Run:
                 shape = (self.batch, self.gamma, draft.probs.shape[-1])
                 ws.draft_probs = torch.empty(shape, dtype=draft.probs.dtype, device=draft.probs.device)
             ws.draft_probs[:, :k].copy_(draft.probs)
+        # States for the verify to reuse (SPEC.md §11); never on tensor-parallel ranks, whose
+        # drafters fed their own drafts, not necessarily rank 0's that every rank verifies.
+        if getattr(draft, "states", None) is not None and tp is None:
+            if ws.draft_states is None:
+                shape = (self.batch, self.gamma, draft.states.shape[-1])
+                ws.draft_states = torch.empty(shape, dtype=draft.states.dtype, device=draft.states.device)
+            ws.draft_states[:, :k].copy_(draft.states)
+            self.states_layer = draft.states_layer
         if tp is not None:
             # Rank 0's drafts for every rank: replicas of a drafter may differ in the last bit
             # (e.g. kernels autotuned per process), and the ranks must verify the same drafts.
@@ -315,14 +332,44 @@ class _Run:
             shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
             raise ValueError(f"{where} draft probabilities of shape {shape}; the protocol asks for a float "
                              f"[{self.batch}, {k}, {self.vocab_size}] tensor on {self.tokens.device}, or None.")
+        states, layer = getattr(draft, "states", None), getattr(draft, "states_layer", None)
+        if states is None:
+            return
+        target = self.plan.target
+        if not hasattr(target, "keys"):
+            raise ValueError(f"{where} states for the verify to reuse, but the target does not run over "
+                             "FlashSpec's static cache, whose entries a drafter can write.")
+        hidden, layers = target.model.config.hidden_size, len(target.base.layers)
+        if (not isinstance(states, torch.Tensor) or tuple(states.shape) != (self.batch, k, hidden)
+                or not states.dtype.is_floating_point or states.device != self.tokens.device):
+            shape = tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__
+            raise ValueError(f"{where} states of shape {shape}; the protocol asks for a float [{self.batch}, {k}, "
+                             f"{hidden}] tensor on {self.tokens.device} (the target's states at the fed positions), "
+                             "or None.")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer < layers:
+            raise ValueError(f"{where} states after {layer!r} layers; states_layer must be an integer from 1 to "
+                             f"{layers - 1} (the target has {layers} layers).")
 
-    def _score_verify_commit(self, k: int, has_probs: bool) -> None:
-        """Score the drafts with the target, verify them, commit the result (tensor code only)."""
+    def _score(self, k: int, reuse: int | None = None) -> torch.Tensor:
+        """The target's logits ``[B, k + 1, V]`` over ``[pending, d_1 … d_k]`` (tensor code only).
+        ``reuse = N``: the drafter already ran the first ``N`` layers for all but ``d_k`` and left
+        their states in ``ws.draft_states``; run those layers for ``d_k`` alone, then the rest for
+        every position from the states (SPEC.md §11, verify reuse)."""
+        ws, target, start = self.ws, self.plan.target, self.length - 1
+        drafts = ws.draft_tokens[:, :k]
+        if reuse is None or k == 0:
+            fed = torch.cat([self.tokens.gather(1, start[:, None]), drafts], dim=1)
+            return target.forward(fed, start, self.active[:, None].expand_as(fed), **self._features)
+        last = target.forward(drafts[:, -1:], start + k, layers=reuse, head=False, **self._features)
+        states = torch.cat([ws.draft_states[:, :k], last.to(ws.draft_states.dtype)], dim=1)
+        return target.forward(None, start, embeds=states, first_layer=reuse, **self._features)
+
+    def _score_verify_commit(self, k: int, has_probs: bool, reuse: int | None = None) -> None:
+        """Score the drafts with the target (reusing a drafter's states after ``reuse`` layers,
+        :meth:`_score`), verify them, commit the result (tensor code only)."""
         ws = self.ws
         drafts = ws.draft_tokens[:, :k]
-        pending = self.tokens.gather(1, (self.length - 1)[:, None])
-        fed = torch.cat([pending, drafts], dim=1)
-        logits = self.plan.target.forward(fed, self.length - 1, self.active[:, None].expand_as(fed), **self._features)
+        logits = self._score(k, reuse)
         probs = ws.draft_probs[:, :k] if has_probs else None
         result = self._verify(logits, drafts, probs, self.verify_uniforms[:, : k + 1])
         note_fault(ws.fault, ~torch.isfinite(logits).flatten(1).all(dim=1) & self.active, 1, ws.steps_taken)

@@ -162,6 +162,29 @@ def test_stop_strings(served):
     assert _stream_text(stream) == (cut, "stop")
 
 
+def test_usage_and_metrics_count_only_the_tokens_returned_at_a_stop_string(served):
+    """At a stop string ``usage.completion_tokens`` (and the generated-token metric) counts the
+    tokens of the text returned, as OpenAI does: not the stop string's own tokens, nor those a
+    step drafted past it."""
+    server, client, reference = served
+    out = reference.generate("def f(x):", max_new_tokens=30)
+    ids, full = out.sequences[0], out.text[0]
+    stop = full[10:12]
+    cut = full[: full.find(stop)]
+    decoded = [len(reference.tokenizer.decode(ids[:k], skip_special_tokens=True)) for k in range(len(ids) + 1)]
+    expected = next(k for k, n in enumerate(decoded) if n >= len(cut))  # the fewest tokens that hold it
+    assert expected < next(k for k, n in enumerate(decoded) if n >= len(cut) + len(stop))  # nor the stop's own
+    before = _metric(server, "flashspec_generated_tokens_total")
+    r = client.completions.create(model="m", prompt="def f(x):", max_tokens=30, temperature=0, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
+    assert (r.usage.completion_tokens, r.usage.total_tokens) == (expected, r.usage.prompt_tokens + expected)
+    chunks = list(client.completions.create(model="m", prompt="def f(x):", max_tokens=30, temperature=0,
+                                            stop=[stop], stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+    assert chunks[-1].usage.completion_tokens == expected
+    assert _metric(server, "flashspec_generated_tokens_total") == before + 2 * expected
+
+
 @pytest.mark.parametrize("body, words", [
     ({"prompt": "hi", "max_tokens": 4, "bogus": 1}, "Unknown field"),
     ({"prompt": "hi", "n": 2}, "n=1"),
@@ -236,6 +259,23 @@ def test_full_queue_gets_429_and_the_server_keeps_serving(tmp_path):
         assert _metric(server, 'flashspec_requests_total{outcome="rejected"}') == statuses.count(429)
         ok = httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3})
         assert ok.status_code == 200
+    finally:
+        server.stop()
+
+
+def test_start_up_warms_the_http_path_and_the_metrics_count_no_request_of_it():
+    engine = SpeculativeEngine(tiny_model("llama", seed=0), [])
+    engine.tokenizer = __import__("tiny_models").CharTokenizer()
+    server = start_server(engine, slots=1, max_length=64)
+    try:
+        assert server.scheduler.batch._next_handle == 3  # Batch.warmup's request, then a completion and a stream
+        for name in ("flashspec_requests_total", "flashspec_prompt_tokens_total", "flashspec_generated_tokens_total",
+                     "flashspec_time_to_first_token_seconds_count"):
+            assert _metric(server, name) == 0, name
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0})
+        assert r.json()["usage"]["completion_tokens"] == 3
+        assert _metric(server, "flashspec_generated_tokens_total") == 3
+        assert _metric(server, 'flashspec_requests_total{outcome="ok"}') == 1
     finally:
         server.stop()
 

@@ -35,10 +35,19 @@ class History:
 @dataclass
 class Draft:
     """``tokens [B, k]`` proposed ids; ``probs [B, k, V]`` the processed laws they were drawn
-    from, or ``None`` when the proposal is deterministic (verified with one-hot q)."""
+    from, or ``None`` when the proposal is deterministic (verified with one-hot q).
+
+    Optional, for the verify reuse of SPEC.md §11 (a shallow drafter with ``reuse=True``):
+    ``states [B, k, hidden]``, the target's own output after its first ``states_layer`` layers
+    at the positions the drafter fed through them — the pending token at ``length - 1`` and
+    ``d_1 … d_{k-1}`` after it — computed by one-token target forwards over the target's cache,
+    whose entries of those layers at those positions the drafter wrote with them. The verify
+    forward then runs those layers for ``d_k`` only and the later layers from these states."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
+    states: torch.Tensor | None = None
+    states_layer: int | None = None
 
 
 @runtime_checkable

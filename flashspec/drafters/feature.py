@@ -191,8 +191,35 @@ class FeatureDrafter:
         bound = history.length_bound()
         if bound > 1:
             zeros = torch.zeros_like(history.length)
-            self._feed(history, zeros, bound - 1, zeros[:, None])
+            self._feed(history.tokens, history.hidden[self.feature_layer], self._features, zeros, bound - 1,
+                       zeros[:, None])
         self._fed_through = bound - 1
+
+    def prefill_row(self, history: History, row: int) -> None:
+        """Feed row ``row``'s prompt alone: a request that joined a running batch (SPEC.md §12).
+
+        The same forward as :meth:`prefill` gives a request of its own — the pairs of positions
+        ``0 … length − 2`` over a view of that row of the drafter's cache and of its predicted
+        features (:meth:`StaticLM.only_row <flashspec.cache.StaticLM.only_row>`) — so the row's
+        entries are what ``generate`` would have; the other rows' are neither read nor written.
+        The catch-up window of the other rows is left as it was: their unseen positions have
+        not changed (the batch's length bound does not grow when a row joins)."""
+        self._check(history)
+        self._start(history)
+        width = int(history.length[row]) - 1
+        if width > 0:
+            one = slice(row, row + 1)
+            zeros = torch.zeros(1, dtype=torch.long, device=history.length.device)
+            with self.lm.only_row(row):
+                self._feed(history.tokens[one], history.hidden[self.feature_layer][one], self._features[one],
+                           zeros, width, zeros[:, None])
+        if self._fed_through is None:  # no proposal yet: every row in the batch was fed at its join
+            self._fed_through = history.length_bound() - 1
+
+    def _check(self, history: History) -> None:
+        if history.hidden is None or self.feature_layer not in history.hidden:
+            raise ValueError("A feature drafter needs the target's features (History.hidden): use it through "
+                             "SpeculativeEngine, which provides them.")
 
     def _window(self, history: History) -> int:
         """How many trailing committed positions to feed: every one whose true feature this
@@ -204,9 +231,7 @@ class FeatureDrafter:
         return min(bound, max(self.MIN_WINDOW, 1 << (unseen - 1).bit_length()))
 
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
-        if history.hidden is None or self.feature_layer not in history.hidden:
-            raise ValueError("A feature drafter needs the target's features (History.hidden): use it through "
-                             "SpeculativeEngine, which provides them.")
+        self._check(history)
         first = self._fed_through is None
         if first:
             self._start(history)
@@ -222,23 +247,26 @@ class FeatureDrafter:
         tokens, probs = self._graphs.run(key, lambda: self._draft(history, window, num_tokens, params, uniforms))
         return Draft(tokens, probs)
 
-    def _feed(self, history: History, start: torch.Tensor, width: int, logits_at: torch.Tensor | None) -> torch.Tensor:
-        """Feed the pairs ``(f_{t-1}, e_t)`` of positions ``start[b] … start[b] + width − 1``."""
-        tokens, hidden = history.tokens, history.hidden[self.feature_layer]
+    def _feed(self, tokens: torch.Tensor, hidden: torch.Tensor, own: torch.Tensor, start: torch.Tensor, width: int,
+              logits_at: torch.Tensor | None) -> torch.Tensor:
+        """Feed the pairs ``(f_{t-1}, e_t)`` of positions ``start[b] … start[b] + width − 1`` of
+        ``tokens [B, capacity]`` and the target's features ``hidden [B, capacity, H]``; the drafter's
+        outputs (its predicted features) go to ``own [B, capacity, H]``."""
         capacity = tokens.shape[1]
         index = (start[:, None] + torch.arange(width, device=start.device)).clamp(max=capacity - 1)
         token = tokens.gather(1, index)
         previous = hidden.gather(1, (index - 1).clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
         previous = torch.where((index > 0)[..., None], previous, torch.zeros_like(previous))
-        x = self.head.inputs(previous.to(self._features.dtype), self.lm.base.embed_tokens(token))
-        return self.lm.forward(None, start, embeds=x, logits_at=logits_at, hidden_out=self._own)
+        x = self.head.inputs(previous.to(own.dtype), self.lm.base.embed_tokens(token))
+        return self.lm.forward(None, start, embeds=x, logits_at=logits_at, hidden_out={len(self.head.layers): own})
 
     def _draft(self, history: History, window: int, num_tokens: int, params: SamplingParams,
                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pure tensor code (no host reads), so it can be captured as a graph."""
         length = history.length
         start = (length - window).clamp(min=0)
-        logits = self._feed(history, start, window, (length - 1 - start)[:, None])[:, 0]
+        logits = self._feed(history.tokens, history.hidden[self.feature_layer], self._features, start, window,
+                            (length - 1 - start)[:, None])[:, 0]
         hidden = self._features.shape[-1]
         drafted, laws = [], []
         for i in range(num_tokens):

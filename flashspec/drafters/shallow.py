@@ -4,6 +4,8 @@ The target's first ``N`` layers run on the target's own cache (as ``early-exit:N
 goes through ``K`` trained adapter decoder layers of the target's class (a cache of their own),
 the target's final norm, a trained residual MLP and the target's head. The adapters catch up on
 committed positions with the target's own features after ``N`` layers (``History.hidden[N]``).
+With ``reuse=True`` a proposal hands back the target's states after ``N`` layers at the positions
+it fed, and the verify forward starts from them (SPEC.md §11, verify reuse; off by default).
 """
 
 from __future__ import annotations
@@ -86,18 +88,26 @@ class ShallowDrafter:
     Per drafted token: the target's first ``N`` layers on the token (writing the target's cache
     at positions the verify forward rewrites), then the adapters (a cache of their own). Before a
     proposal the adapters catch up on the committed positions they have not seen with the target's
-    own features after ``N`` layers (``History.hidden[N]``, written by its forwards)."""
+    own features after ``N`` layers (``History.hidden[N]``, written by its forwards).
+
+    ``reuse=True`` (off by default; ``SpeculativeEngine(reuse_shallow=True)``): each proposal also
+    hands back the target's states after ``N`` layers at the positions it fed (``Draft.states``),
+    so that the verify forward does not recompute those layers for them (SPEC.md §11, verify
+    reuse); its forwards then also write the features ``History.hidden[n]``, ``n < N``, that the
+    verify no longer writes at those positions."""
 
     uses_hidden_states = True
     MIN_WINDOW = 4
 
-    def __init__(self, target: StaticLM, head: ShallowHead, name: str | None = None) -> None:
+    def __init__(self, target: StaticLM, head: ShallowHead, name: str | None = None, reuse: bool = False) -> None:
         if not isinstance(target, StaticLM):
             raise ValueError("A shallow drafter needs a target that runs over FlashSpec's static cache "
                              f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
         if head.shared_layers >= len(target.base.layers) or head.config.hidden_size != target.model.config.hidden_size:
             raise ValueError("This shallow drafter was made for another target shape.")
-        self.target, self.head = target, head
+        if not isinstance(reuse, bool):
+            raise ValueError(f"reuse must be True or False; got {reuse!r}.")
+        self.target, self.head, self.reuse = target, head, reuse
         self.feature_layer = head.shared_layers
         self.name = name or f"shallow:{head.shared_layers}"
         self.lm = StaticLM(head.draft_model(target.model))
@@ -125,32 +135,61 @@ class ShallowDrafter:
             self.lm.forward(None, zeros, embeds=features, logits_at=zeros[:, None])
         self._fed_through = bound - 1
 
-    _window = FeatureDrafter._window
+    def prefill_row(self, history: History, row: int) -> None:
+        """Feed row ``row``'s prompt features alone: a request that joined a running batch
+        (SPEC.md §12). The adapters see the target's features after ``N`` layers at positions
+        ``0 … length − 2`` over a view of that row of their cache
+        (:meth:`StaticLM.only_row <flashspec.cache.StaticLM.only_row>`) — the forward
+        :meth:`prefill` gives a request of its own — and no other row is read or written. (The
+        shared layers' entries for the row are the target's own, written by its prefill.)"""
+        self._check(history)
+        batch, capacity = history.tokens.shape
+        if self.lm.reset(batch, capacity):
+            self._graphs.clear()
+        width = int(history.length[row]) - 1
+        if width > 0:
+            zeros = torch.zeros(1, dtype=torch.long, device=history.length.device)
+            with self.lm.only_row(row):
+                features = history.hidden[self.feature_layer][row : row + 1, :width]
+                self.lm.forward(None, zeros, embeds=features, logits_at=zeros[:, None])
+        if self._fed_through is None:  # no proposal yet: every row in the batch was fed at its join
+            self._fed_through = history.length_bound() - 1
 
-    def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
+    def _check(self, history: History) -> None:
         if history.hidden is None or self.feature_layer not in history.hidden:
             raise ValueError("A shallow drafter needs the target's features (History.hidden): use it through "
                              "SpeculativeEngine, which provides them.")
+
+    _window = FeatureDrafter._window
+
+    def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
+        self._check(history)
         first = self._fed_through is None
         if first:
             batch, capacity = history.tokens.shape
             if self.lm.reset(batch, capacity):
                 self._graphs.clear()
         active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
+        below = {n: h for n, h in history.hidden.items() if n < self.feature_layer} if self.reuse else {}
         inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, history.hidden[self.feature_layer],
-                                              active, uniforms, self.target.keys[0], self.lm.keys[0]))
+                                              active, uniforms, self.target.keys[0], self.lm.keys[0],
+                                              *below.values()))
         if inputs != self._graph_inputs:
             self._graphs.clear()
             self._graph_inputs = inputs
         window = self._window(history)
         self._fed_through = history.length_bound()
         key = None if first else (window, num_tokens, params)
-        tokens, probs = self._graphs.run(key, lambda: self._draft(history, window, num_tokens, params, uniforms))
-        return Draft(tokens, probs)
+        tokens, probs, states = self._graphs.run(
+            key, lambda: self._draft(history, window, num_tokens, params, uniforms, below or None))
+        return Draft(tokens, probs, states, self.feature_layer if self.reuse else None)
 
-    def _draft(self, history: History, window: int, num_tokens: int, params: SamplingParams,
-               uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pure tensor code (no host reads), so it can be captured as a graph."""
+    def _draft(self, history: History, window: int, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor,
+               below: dict[int, torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Pure tensor code (no host reads), so it can be captured as a graph. With ``reuse``, also
+        the target's states after ``N`` layers of the fed tokens ``[B, k, hidden]``; ``below``: the
+        feature buffers of fewer layers, written at the fed positions (SPEC.md §11, verify reuse)."""
         tokens, length = history.tokens, history.length
         features = history.hidden[self.feature_layer]
         capacity, hidden = features.shape[1], features.shape[2]
@@ -158,7 +197,9 @@ class ShallowDrafter:
         index = (start[:, None] + torch.arange(window, device=length.device)).clamp(max=capacity - 1)
         known = features.gather(1, index[..., None].expand(-1, -1, hidden))
         pending = tokens.gather(1, (length - 1)[:, None])
-        shallow = self.target.forward(pending, length - 1, layers=self.feature_layer, head=False)  # [B, 1, H]
+        shared = {"layers": self.feature_layer, "head": False, "hidden_out": below}
+        shallow = self.target.forward(pending, length - 1, **shared)  # [B, 1, H]
+        fed = [shallow]
         x = torch.where((index == (length - 1)[:, None])[..., None], shallow.to(known.dtype), known)
         logits = self.lm.forward(None, start, embeds=x, logits_at=(length - 1 - start)[:, None])[:, 0]
         drafted, laws = [], []
@@ -168,7 +209,9 @@ class ShallowDrafter:
                 laws.append(q)
             drafted.append(token)
             if i + 1 < num_tokens:
-                shallow = self.target.forward(token[:, None], length + i, layers=self.feature_layer, head=False)
+                shallow = self.target.forward(token[:, None], length + i, **shared)
+                fed.append(shallow)
                 logits = self.lm.forward(None, length + i, embeds=shallow)[:, 0]
         probs = torch.stack(laws, dim=1) if laws else None
-        return torch.stack(drafted, dim=1), probs
+        states = torch.cat(fed, dim=1) if self.reuse else None  # the pending token's, then d_1 … d_{k-1}'s
+        return torch.stack(drafted, dim=1), probs, states

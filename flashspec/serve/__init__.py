@@ -60,6 +60,35 @@ def build(engine: Any, *, model_name: str = "flashspec", slots: int = 8, max_len
     return scheduler, create_app(scheduler, metrics, engine.tokenizer, model_name, default_max_tokens)
 
 
+def warm_http(url: str, scheduler: Any, tokenizer: Any, timeout: float = 120.0) -> float:
+    """Send throw-away requests through the running server's HTTP path (a completion, a streamed
+    one and, when the tokenizer has a chat template, a streamed chat completion; 1 token each, so
+    no decode step), so that the first client request pays none of that path's one-time costs
+    (first use of the HTTP server's request path, the streaming response, the chat template).
+    Then start the metrics afresh, so that they count the clients' requests only. Returns the
+    seconds taken; a failed warm-up request is logged, never raised (SPEC.md §12)."""
+    import json
+    import logging
+    import urllib.request
+
+    started = time.perf_counter()
+    bodies = [("completions", {"prompt": "Hello", "max_tokens": 1, "temperature": 0}),
+              ("completions", {"prompt": "Hello", "max_tokens": 1, "temperature": 0, "stream": True})]
+    if getattr(tokenizer, "chat_template", None) is not None:
+        bodies.append(("chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1,
+                                            "temperature": 0, "stream": True}))
+    for route, body in bodies:
+        request = urllib.request.Request(f"{url}/v1/{route}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:  # our own loopback URL
+                response.read()
+        except Exception as error:  # noqa: BLE001 — a warm-up is best effort
+            logging.getLogger("flashspec.serve").warning("warm-up request to /v1/%s failed: %s", route, error)
+    scheduler.reset_metrics()
+    return time.perf_counter() - started
+
+
 def start_server(engine: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
                  **options: Any) -> Server:
     """Serve ``engine`` from a background thread; returns once it accepts connections.
@@ -80,9 +109,11 @@ def start_server(engine: Any, *, host: str = "127.0.0.1", port: int = 0, log_lev
             scheduler.stop()
             raise ValueError(f"The HTTP server could not start on {host}:{port}.")
         time.sleep(0.02)
+    url = f"http://{host}:{port}"
+    warm_http(url, scheduler, engine.tokenizer)
     seconds = time.perf_counter() - started
     scheduler.metrics.startup.set(seconds)
-    return Server(f"http://{host}:{port}", scheduler, seconds, server, thread)
+    return Server(url, scheduler, seconds, server, thread)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -92,7 +123,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     p.add_argument("--target", required=True, help="folder, hub id or .gguf file")
     p.add_argument("--draft", action="append", default=[],
-                   help="drafter: folder, hub id, .gguf file, 'ngram' or 'early-exit:N' (repeatable)")
+                   help="drafter: folder, hub id, .gguf file, 'ngram', 'early-exit:N', 'feature:DIR' or "
+                        "'shallow:DIR' (repeatable)")
     p.add_argument("--selector", default="fixed", help="fixed, ucb1, thompson, ... (SPEC.md §8)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the target's)")
     p.add_argument("--host", default="127.0.0.1")
@@ -127,11 +159,22 @@ def _run(args: argparse.Namespace) -> None:
                            slots=args.max_batch, max_length=args.max_length, max_queue=args.max_queue,
                            max_prefill_tokens=args.max_prefill_tokens, num_draft_tokens=args.num_draft_tokens,
                            warmup_lengths=warm)
-    seconds = time.perf_counter() - started
-    scheduler.metrics.startup.set(seconds)
-    print(f"flashspec serve: ready in {seconds:.1f} s (warm-up {scheduler.warmup_seconds:.2f} s) "
-          f"on http://{args.host}:{args.port}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+
+    def ready() -> None:  # once uvicorn listens: warm its HTTP path, then say so
+        while not server.started:
+            if server.should_exit:
+                return
+            time.sleep(0.02)
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        http = warm_http(f"http://{host}:{args.port}", scheduler, engine.tokenizer)
+        seconds = time.perf_counter() - started
+        scheduler.metrics.startup.set(seconds)
+        print(f"flashspec serve: ready in {seconds:.1f} s (warm-up {scheduler.warmup_seconds:.2f} s, "
+              f"HTTP {http:.2f} s) on http://{args.host}:{args.port}", flush=True)
+
+    threading.Thread(target=ready, name="flashspec-ready", daemon=True).start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        server.run()
     finally:
         scheduler.stop()

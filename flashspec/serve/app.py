@@ -30,7 +30,9 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 
 class _Text:
     """Incremental detokenisation with stop strings: text is released only once no stop string
-    can still begin in it, and never in the middle of a multi-byte character."""
+    can still begin in it, and never in the middle of a multi-byte character. At a stop string
+    ``ids`` is cut to the tokens of the text returned (OpenAI's ``completion_tokens``): a token
+    whose text lies wholly at or after the stop string's start is not counted."""
 
     def __init__(self, tokenizer: Any, stop: list[str]) -> None:
         self.tokenizer, self.stop = tokenizer, stop
@@ -47,6 +49,7 @@ class _Text:
             at = self.text.find(s, max(0, self.sent - len(s)))
             if at >= 0:
                 self.text = self.text[:at]
+                self.ids = self.ids[: self.covering(at)]
                 return self.flush(), True
         end = len(self.text) - self.hold
         if self.text.endswith("\ufffd"):
@@ -59,6 +62,18 @@ class _Text:
     def flush(self) -> str:
         delta, self.sent = self.text[self.sent :], len(self.text)
         return delta
+
+    def covering(self, chars: int) -> int:
+        """The fewest leading ids whose text holds the first ``chars`` characters."""
+        k = len(self.ids)
+        while k > 0 and len(self.tokenizer.decode(self.ids[: k - 1], skip_special_tokens=True)) >= chars:
+            k -= 1
+        return k
+
+    def released(self) -> int:
+        """Tokens whose text has been released so far (all of them once the completion ended;
+        without stop strings no token can still be cut, so every one received counts)."""
+        return self.covering(self.sent) if self.stop else len(self.ids)
 
 
 def create_app(scheduler: Scheduler, metrics: Metrics, tokenizer: Any, model_name: str,
@@ -90,6 +105,19 @@ def create_app(scheduler: Scheduler, metrics: Metrics, tokenizer: Any, model_nam
         ticket = Ticket(ids, sampling, asyncio.get_running_loop())
         scheduler.submit(ticket)
         text = _Text(tokenizer, job.stop)
+        counted = 0  # of this request's tokens, in the server's generated-token counter
+
+        def usage(final: bool) -> dict[str, int]:
+            """The usage object; also counts the tokens now returned (released text; at the end all
+            of them, and at a stop string none of those cut) in the generated-token metric."""
+            nonlocal counted
+            count = len(text.ids) if final else text.released()
+            if count > counted:
+                metrics.generated_tokens.inc(count - counted)
+                counted = count
+            return {"prompt_tokens": len(ids), "completion_tokens": len(text.ids),
+                    "total_tokens": len(ids) + len(text.ids)}
+
         try:
             while True:
                 try:
@@ -98,24 +126,21 @@ def create_app(scheduler: Scheduler, metrics: Metrics, tokenizer: Any, model_nam
                     if await request.is_disconnected():
                         return
                     continue
-                usage = {"prompt_tokens": len(ids), "completion_tokens": len(text.ids),
-                         "total_tokens": len(ids) + len(text.ids)}
                 if event[0] == "tokens":
                     delta, stopped = text.add(event[1])
-                    usage = {"prompt_tokens": len(ids), "completion_tokens": len(text.ids),
-                             "total_tokens": len(ids) + len(text.ids)}
                     if stopped:
                         ticket.answered = True
                         scheduler.cancel(ticket)
                         metrics.requests.labels("ok").inc()
-                        yield delta, "stop", usage
+                        yield delta, "stop", usage(True)
                         return
                     if delta:
-                        yield delta, None, usage
+                        yield delta, None, usage(False)
                 elif event[0] == "done":
                     ticket.answered = True
                     metrics.requests.labels("ok").inc()
-                    yield text.flush(), event[1], usage
+                    delta = text.flush()
+                    yield delta, event[1], usage(True)
                     return
                 else:
                     ticket.answered = True

@@ -13,11 +13,16 @@ class Metrics:
     """Counters, gauges and histograms of one server (names prefixed ``flashspec_``)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start every series afresh (a new registry): after the start-up's warm-up requests."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("flashspec_requests", "Requests by outcome "
                                 "(ok, bad_request, rejected, cancelled, error)", ["outcome"], registry=r)
         self.prompt_tokens = Counter("flashspec_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generated_tokens = Counter("flashspec_generated_tokens", "Tokens generated", registry=r)
+        self.generated_tokens = Counter("flashspec_generated_tokens", "Tokens generated and returned "
+                                        "(as usage.completion_tokens: none past a stop string)", registry=r)
         self.proposed = Counter("flashspec_draft_tokens_proposed", "Draft tokens proposed", registry=r)
         self.accepted = Counter("flashspec_draft_tokens_accepted", "Draft tokens accepted", registry=r)
         self.acceptance_rate = Gauge("flashspec_acceptance_rate", "Accepted / proposed drafts since start-up",

@@ -64,6 +64,7 @@ class Scheduler:
         self.warmup_lengths = warmup_lengths
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._cancels: list[Ticket] = []
+        self._resets: list[threading.Event] = []
         self._wake = threading.Condition()
         self._stopping = False
         self._ready = threading.Event()
@@ -109,6 +110,15 @@ class Scheduler:
                 self._cancels.append(ticket)
                 self._wake.notify()
 
+    def reset_metrics(self, timeout: float = 30.0) -> bool:
+        """Start the metrics afresh, on the engine thread at its next step boundary (so after
+        everything the requests finished so far counted); False if that did not happen in time."""
+        done = threading.Event()
+        with self._wake:
+            self._resets.append(done)
+            self._wake.notify()
+        return done.wait(timeout)
+
     @property
     def queued(self) -> int:
         return len(self._waiting)
@@ -148,6 +158,10 @@ class Scheduler:
                 if self._stopping:
                     return
                 cancels, self._cancels = self._cancels, []
+                for done in self._resets:
+                    self.metrics.reset()
+                    done.set()
+                self._resets.clear()
                 admitted: list[Ticket] = []
                 budget = self.max_prefill_tokens
                 while self._waiting and batch.free_slots - len(admitted) > 0:
@@ -198,8 +212,7 @@ class Scheduler:
             self._observe_stats(batch)
 
     def _observe(self, ticket: Ticket, count: int, now: float) -> None:
-        metrics = self.metrics
-        metrics.generated_tokens.inc(count)
+        metrics = self.metrics  # (generated tokens are counted by the handler: only the text returned, app.py)
         if ticket.first_token is None:
             ticket.first_token = now
             metrics.ttft.observe(now - ticket.arrived)

@@ -1,0 +1,202 @@
+"""Drafters made from the target (``feature:DIR``, ``shallow:DIR``, SPEC.md §11) in a running
+batch (SPEC.md §12): a row that joins gets, in the drafter's own cache, what ``generate``'s
+prefill would have given it (``prefill_row``), so its output is ``generate``'s token for token,
+its drafts are accepted as often as in ``generate``, and sampled rows keep the target's law."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import noisy_copy, tiny_model
+
+from flashspec import (
+    FeatureDrafter,
+    FeatureHead,
+    ShallowDrafter,
+    ShallowHead,
+    SpeculativeEngine,
+)
+from flashspec.train import save_drafter
+
+ARCHS = ("llama", "qwen2", "mistral")
+PROMPTS = [[(7 * i + 3 * j) % 128 for j in range(1 + 4 * i)] for i in range(6)]  # 1 … 21 tokens
+BUDGETS = [17, 9, 24, 13, 20, 11]
+NOISE = {"feature": 0.03, "shallow": 0.3}  # copies of the target accepted about half the time
+
+
+def _one_layer(arch: str, seed: int = 5):
+    """A tiny target of one decoder layer (its first), so that a feature drafter can equal it."""
+    model = tiny_model(arch, seed=seed)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    if getattr(model.config, "layer_types", None) is not None:
+        model.config.layer_types = model.config.layer_types[:1]
+    return model
+
+
+def _shallow_copy(model, noise: float = 0.0) -> ShallowHead:
+    """A shallow head over the target's first layer whose adapter is the target's second layer
+    (``noise``: plus gaussian noise) and whose MLP is zero: with no noise the drafter *is* the
+    target, and a greedy draft is rejected only where the adapter's cache is wrong."""
+    head = ShallowHead(model.config, 1, 1)
+    layer = noisy_copy(model, noise, seed=1).model.layers[1] if noise else model.model.layers[1]
+    head.layers[0].load_state_dict(layer.state_dict())
+    return head
+
+
+def _feature_copy(model, noise: float = 0.0) -> FeatureHead:
+    """A feature head over a one-layer target whose layer is the target's and whose input is
+    ``fc([f; e]) = e + noise · R f`` (``R`` random): with no noise the drafter *is* the target
+    (the features are read and weighted by zero), and a greedy draft is rejected only where its
+    cache is wrong; with noise it reads the target's features and is often, not always, right."""
+    head = FeatureHead(model.config, 1)
+    head.layers[0].load_state_dict(model.model.layers[0].state_dict())
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.bias.zero_()
+        head.fc.weight[:, hidden:] = torch.eye(hidden)
+        if noise:
+            mix = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(2)) / hidden**0.5
+            head.fc.weight[:, :hidden] = noise * mix
+    return head
+
+
+def _engine(kind: str, arch: str, folder, noise: float | None, **options):
+    """The engine of a target of ``arch`` and a drafter of ``kind``: ``noise=None``, an untrained
+    (seeded) head over a two-layer target; else a copy of the target (one layer for ``feature``)
+    with that much noise."""
+    model = _one_layer(arch) if kind == "feature" and noise is not None else tiny_model(arch, seed=5)
+    torch.manual_seed(3)
+    if noise is None:
+        head = FeatureHead(model.config, 1) if kind == "feature" else ShallowHead(model.config, 1, 1)
+    else:
+        head = _feature_copy(model, noise) if kind == "feature" else _shallow_copy(model, noise)
+    save_drafter(head, model, folder, storage="same")
+    return SpeculativeEngine(model, [f"{kind}:{folder}"], device="cpu", **options)
+
+
+def _run_batch(engine, prompts, budgets, *, slots=3, gamma=4, cancel=(), **sampling):
+    """Rows join every other step (into slots others left), some are cancelled early; returns
+    each prompt's tokens and its per-step token counts (the first count without the prefill's)."""
+    got, counts, names = {}, {}, {}
+    pending, step = list(range(len(prompts))), 0
+    with engine.batch(slots=slots, max_length=64, num_draft_tokens=gamma, eos_token_id=[]) as batch:
+        batch.warmup([1, 5])
+        while pending or batch.running:
+            if pending and batch.free_slots and step % 2 == 0:
+                i = pending.pop(0)
+                h = batch.add(prompts[i], max_new_tokens=budgets[i], **sampling)
+                names[h], got[i], counts[i] = i, [], []
+            for u in batch.step():
+                i = names[u.handle]
+                counts[i].append(len(u.tokens) - (not got[i]))
+                got[i] += u.tokens
+                if i in cancel and len(got[i]) >= 5 and not u.finished:
+                    batch.cancel(u.handle)
+            step += 1
+    return got, counts
+
+
+def _generate(engine, prompt, n, gamma):
+    out = engine.generate([prompt], max_new_tokens=n, num_draft_tokens=gamma, eos_token_id=[])
+    return out.sequences[0], [r.committed for r in out.stats.step_log]
+
+
+# ----------------------------------------------------------------------------- greedy exactness
+@pytest.mark.parametrize("gamma", [1, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind, noise", [("feature", None), ("feature", NOISE["feature"]), ("shallow", NOISE["shallow"])])
+def test_rows_joining_and_leaving_equal_generate(kind, noise, arch, gamma, tmp_path):
+    """Rows of different lengths join a running batch at different steps, into slots that other
+    rows left; some leave early. Every row is token for token its own ``generate`` (float32)."""
+    engine = _engine(kind, arch, tmp_path, noise)
+    expected = [_generate(engine, p, n, gamma)[0] for p, n in zip(PROMPTS, BUDGETS)]
+    got, _ = _run_batch(engine, PROMPTS, BUDGETS, gamma=gamma, cancel={1, 4})
+    for i in range(len(PROMPTS)):
+        if i in (1, 4):  # cancelled: what it had is a prefix of its output
+            assert got[i] == expected[i][: len(got[i])] and 5 <= len(got[i]) < BUDGETS[i]
+        else:
+            assert got[i] == expected[i], f"row {i} (prompt of {len(PROMPTS[i])} tokens) differs"
+    assert engine.generate([PROMPTS[2]], max_new_tokens=6, num_draft_tokens=gamma,
+                           eos_token_id=[]).sequences[0] == expected[2][:6]  # generate works again after it
+
+
+def test_shallow_drafter_with_verify_reuse_in_a_batch_equals_generate(tmp_path):
+    """``reuse_shallow=True`` (SPEC.md §11) in a batch: the verify reuses the states of each row's
+    drafts; every row still equals its own ``generate``."""
+    engine = _engine("shallow", "qwen2", tmp_path, NOISE["shallow"], reuse_shallow=True)
+    expected = [_generate(engine, p, n, 3)[0] for p, n in zip(PROMPTS, BUDGETS)]
+    got, counts = _run_batch(engine, PROMPTS, BUDGETS, gamma=3)
+    assert [got[i] for i in range(len(PROMPTS))] == expected
+    assert any(c > 1 for row in counts.values() for c in row)  # drafts were accepted (states reused)
+
+
+# ----------------------------------------------------------------------------- acceptance
+def _full_steps(budget: int, gamma: int) -> list[int]:
+    """Tokens per step when every draft is accepted (the first token comes from the prefill)."""
+    left = budget - 1
+    return [min(gamma + 1, left - (gamma + 1) * s) for s in range(-(-left // (gamma + 1)))]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["feature", "shallow"])
+@pytest.mark.parametrize("noisy", [False, True])
+def test_a_joining_row_accepts_its_drafts_as_in_generate(kind, arch, noisy, tmp_path):
+    """A drafter equal to the target (the target's own layers, ``noise = 0``) drafts its greedy
+    tokens exactly when its cache holds the target's entries: every row that joins the batch
+    gains γ + 1 tokens per step, as in ``generate``. With noise, each row gains at each step what
+    it gains at that step of its own ``generate``: its drafts are a function of its committed
+    tokens alone, as SPEC.md §11's catch-up promises."""
+    engine = _engine(kind, arch, tmp_path, NOISE[kind] if noisy else 0.0)
+    gamma = 3
+    alone = [_generate(engine, p, n, gamma)[1] for p, n in zip(PROMPTS, BUDGETS)]
+    if not noisy:
+        assert alone == [_full_steps(n, gamma) for n in BUDGETS]  # every draft accepted in generate
+    else:
+        assert alone != [_full_steps(n, gamma) for n in BUDGETS] and any(max(c) > 1 for c in alone)
+    _, counts = _run_batch(engine, PROMPTS, BUDGETS, gamma=gamma)
+    assert [counts[i] for i in range(len(PROMPTS))] == alone
+
+
+@pytest.mark.parametrize("kind, cls", [("feature", FeatureDrafter), ("shallow", ShallowDrafter)])
+def test_the_acceptance_test_has_power(kind, cls, tmp_path, monkeypatch):
+    """The test above fails when a joining row's drafter cache is left as it was."""
+    engine = _engine(kind, "llama", tmp_path, 0.0)
+    monkeypatch.setattr(cls, "prefill_row", lambda self, history, row: None)
+    _, counts = _run_batch(engine, PROMPTS, BUDGETS, gamma=3)
+    assert sum(map(len, counts.values())) > sum(len(_full_steps(n, 3)) for n in BUDGETS) + 5  # drafts rejected
+
+
+# ----------------------------------------------------------------------------- the law
+def test_sampled_rows_with_a_feature_drafter_in_a_batch_have_the_targets_law():
+    """χ² (SPEC.md §6) of rows that join a running batch with a feature drafter (p != q), sampled
+    drafts verified with their q (every row has the same parameters), γ = 2."""
+    from test_distribution import (
+        ALPHA,
+        BATCH_SAMPLES,
+        FEATURE,
+        PROMPT,
+        TARGET,
+        chi_square_pvalue,
+        exact_law,
+    )
+
+    engine = SpeculativeEngine(TARGET, [f"feature:{FEATURE}"], device="cpu")
+    samples = []
+    torch.manual_seed(0)
+    with engine.batch(slots=24, max_length=32, num_draft_tokens=2, eos_token_id=[]) as batch:
+        tokens: dict[int, list[int]] = {}
+        while len(samples) < BATCH_SAMPLES:
+            for _ in range(batch.free_slots):
+                tokens[batch.add(PROMPT, max_new_tokens=3, do_sample=True, temperature=0.8, top_k=5, top_p=0.9)] = []
+            for update in batch.step():
+                tokens[update.handle].extend(update.tokens)
+                if update.finished:
+                    samples.append(tokens.pop(update.handle))
+    samples = np.array(samples[:BATCH_SAMPLES])
+    assert samples.shape == (BATCH_SAMPLES, 3)
+    assert 0.0 < batch.stats.acceptance_rate < 1.0  # both the accept and the reject paths ran
+    pvalue = chi_square_pvalue(samples, exact_law(0.8, 5, 0.9))
+    assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: a batched row's law differs from the target's"
