@@ -74,7 +74,10 @@ class ModelDrafter:
         with self._lm.only_row(row):
             self._lm.forward(history.tokens[row : row + 1, :width], torch.zeros_like(length), None,
                              logits_at=(length - 1)[:, None])
-        self._seen_through = max(self._seen_through or 0, history.length_bound())
+        if self._seen_through is None:  # no proposal yet: every row in the batch was fed at its join
+            self._seen_through = history.length_bound()
+        # Otherwise leave it: the other rows' tokens gained since this drafter's last proposal
+        # (steps another arm drafted) are still unseen, and the next window must re-feed them.
 
     def _start(self, history: History) -> None:
         """A new request: size the cache (dropping graphs that captured replaced buffers)."""
