@@ -4,16 +4,19 @@
 # failure (or the device time running out) loses that stage only; the stages come in order of
 # what the issue needs most:
 #   0. the GGUF pair as bfloat16 safetensors folders (each later process loads in seconds), with
-#      the CUDA tests running beside the conversion;
+#      every CUDA test running beside the conversion;
 #   1. self-distilled data: chat-formatted requests cut from each domain's training text,
-#      answered by the target (`flashspec distill`);
+#      answered by the target (`flashspec distill`; kept in OUTDIR/distilled.tar.xz);
 #   2. the general compact feature drafter (the product: unrolled passes and the feature loss,
-#      SPEC.md §11.6), alone on the GPU; then, several processes sharing the GPU, its per-domain
-#      low-rank deltas and a shallow drafter; then the comparisons at equal steps against the same
-#      design trained as long (one pass without the feature loss, corpus text only, full width);
+#      SPEC.md §11.6), alone on the GPU: trained further from the committed one (BASE) for
+#      GENERAL_MINUTES, or from scratch with BASE=none; then, several processes sharing the GPU,
+#      its per-domain low-rank deltas and a shallow drafter; then the shallow drafter's per-domain
+#      deltas beside the acceptance bench (which times nothing that is reported);
 #   3. acceptance per drafter × γ × domain × style (`flashspec bench acceptance`);
-#   4. end to end, batch 1 and 8, greedy and T = 0.7, 256 new tokens (`flashspec bench e2e`);
-#   5. if time is left (BUDGET_MINUTES from the start, default 21): per-domain shallow deltas.
+#   4. the step anatomy of the feature and shallow drafters (`flashspec bench gpu`);
+#   5. end to end, batch 1 and 8, greedy and T = 0.7, 256 new tokens (`flashspec bench e2e`);
+#   6. with COMPARE=1: the session-13 comparisons at equal steps (one pass without the feature
+#      loss, corpus text only, full width) against the same design trained as long.
 # Expects /tmp/models/{target,draft}.gguf (joined from `split -b` pieces (size: BENCHMARKS.md "How the H200 runs were made")), the gguf wheel in
 # .whl/ and the corpus in device_carry/corpus (see BENCHMARKS.md "How the H200 runs were made").
 # Usage: bash benchmarks/selfdraft_h200.sh OUTDIR   (prints "== done" at the end; "== trained"
@@ -28,7 +31,6 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 run() { local name=$1; shift; stamp "$name"; "$@" > "$out/$name.log" 2>&1; local rc=$?; stamp "$name exit $rc"; return $rc; }
 together() { local pids=(); for job in "$@"; do eval "run $job" & pids+=($!); done; wait "${pids[@]}"; }
-left() { [ $(( $(date +%s) - begun )) -lt $(( ${BUDGET_MINUTES:-21} * 60 )) ]; }
 fs() { python3 -m flashspec.cli "$@"; }
 convert() {  # one model, GGUF -> bf16 safetensors folder (both at once: the machine has 16 cores)
 python3 - "$1" <<'EOF'
@@ -66,18 +68,25 @@ for d in code prose chat; do
       --batch 256 --max-new-tokens 256 --no-progress --out /tmp/data/distilled-$d.txt
 done
 wait $tests; stamp "gpu tests exit $?"
+(cd /tmp/data && tar cJf "$out/distilled.tar.xz" distilled-*.txt) &  # a later session can carry it
 
 raw="--data $C/code.txt.xz --data $C/prose.txt.xz --data $C/dialogue.txt.xz"
 dist="--data /tmp/data/distilled-code.txt --data /tmp/data/distilled-prose.txt --data /tmp/data/distilled-chat.txt"
 train="train-drafter --target $T --batch 16 --seq-len 512 --estimate-every 100"
 compact="--width 512 --heads 4 --draft-vocab 32768"
 lr="--lr-layers 5e-4 --lr-head 5e-4"
-# The product, alone on the GPU: its seconds are its training cost.
-run train_general fs $train $raw $dist $compact $lr --steps 6000 --max-minutes ${GENERAL_MINUTES:-3.5} \
-    --out $ck/general || run train_general_b8 fs ${train/--batch 16/--batch 8} $raw $dist $compact $lr --steps 6000 \
-    --max-minutes ${GENERAL_MINUTES:-3.5} --out $ck/general
+BASE=${BASE:-flashspec/checkpoints/qwen2.5-coder-1.5b-instruct/general}
+G=${GENERAL_MINUTES:-4}
+# The product, alone on the GPU: its seconds are its training cost (a drafter trained further
+# records the earlier runs too: `flashspec bench training` adds them up).
+if [ "$BASE" = none ]; then
+  run train_general fs $train $raw $dist $compact $lr --steps 6000 --max-minutes $G --out $ck/general
+else
+  run train_general fs $train $raw $dist --base $BASE --lr-layers 3e-4 --lr-head 3e-4 --steps 6000 \
+      --max-minutes $G --out $ck/general || cp -r $BASE $ck/general  # else the committed one, as it is
+fi
 # Four processes sharing the GPU: the per-domain deltas (the checkpoints to keep) and a shallow drafter.
-M=${DELTA_MINUTES:-1.5}
+M=${DELTA_MINUTES:-2}
 jobs=()
 for d in code prose chat; do
   jobs+=("train_$d fs $train --data $(file $d) --data /tmp/data/distilled-$d.txt --base $ck/general --rank 32 \
@@ -89,42 +98,47 @@ together "${jobs[@]}"
 (cd $out && tar cf keep.tar ckpt/general ckpt/code ckpt/prose ckpt/chat 2>/dev/null)
 stamp "trained"
 
-# Comparisons at equal steps, sharing the GPU, each against the product's design trained as long.
-S=${COMPARE_STEPS:-300}
-short="--steps $S"
-together "train_cmp_design fs $train $raw $dist $compact $lr $short --out $ck/cmp-design" \
-         "train_cmp_onepass fs $train $raw $dist $compact $lr --unroll 1 --feature-weight 0 $short --out $ck/cmp-onepass" \
-         "train_cmp_rawonly fs $train $raw $compact $lr $short --out $ck/cmp-rawonly" \
-         "train_cmp_fullwidth fs $train $raw $dist --draft-vocab 32768 $lr $short --out $ck/cmp-fullwidth"
-stamp "compared"
-
+# The shallow drafter's per-domain deltas, beside the acceptance bench of everything else (it
+# reports acceptance only, which sharing the GPU does not change).
 main=$(have feature:general feature:code feature:prose feature:chat shallow:shallow)
-run acceptance fs bench acceptance --target $T --draft /tmp/hf/draft --draft ngram --draft early-exit:21 $main \
-    --corpus $C --gammas 2,4,8 --styles text,chat --prompts-per-domain ${ACC_PROMPTS:-12} --batch 12 \
-    --max-new-tokens 64 --device cuda --dtype bfloat16 --no-warm-up --no-progress --out $out/acceptance
+acc="bench acceptance --target $T --corpus $C --gammas 2,4,8 --styles text,chat --batch 12 --max-new-tokens 64"
+acc="$acc --prompts-per-domain ${ACC_PROMPTS:-12} --device cuda --dtype bfloat16 --no-warm-up --no-progress"
+jobs=("acceptance fs $acc --draft /tmp/hf/draft --draft ngram --draft early-exit:21 $main --out $out/acceptance")
+if [ -f "$ck/shallow/drafter.json" ]; then
+  for d in code prose chat; do
+    jobs+=("train_shallow_$d fs $train --kind shallow --data $(file $d) --data /tmp/data/distilled-$d.txt \
+            --base $ck/shallow --rank 32 --lr-layers 1e-3 --lr-head 1e-3 --steps 3000 --max-minutes 1.2 \
+            --out $ck/shallow-$d")
+  done
+fi
+together "${jobs[@]}"
+extra=$(have shallow:shallow-code shallow:shallow-prose shallow:shallow-chat)
+[ -n "$extra" ] && run acceptance_shallow fs $acc $extra --out $out/acceptance_shallow
+
+# Step anatomy (alone: these are timings): the forwards as graph replays against a measured step.
+gpu="bench gpu --target $T --corpus $C --shaped= --no-kernels --prompts-per-domain 2"
+[ -f "$ck/general/drafter.json" ] && run gpu_feature fs $gpu --draft feature:$ck/general --out $out/gpu_feature
+[ -f "$ck/shallow/drafter.json" ] && run gpu_shallow fs $gpu --draft shallow:$ck/shallow --out $out/gpu_shallow
 
 e2e="bench e2e --target $T --corpus $C --device cuda --dtype bfloat16 --compile --systems flashspec,flashspec-fixed
      --gammas 4 --regimes long --style chat --no-progress"
+feat=$(have feature:general feature:code feature:prose feature:chat)
+run e2e_b1_t0 fs $e2e --draft /tmp/hf/draft $main --batch-sizes 1 --prompts-per-domain ${B1_PROMPTS:-3} \
+    --temperature 0 --out $out/e2e_b1_t0
+run e2e_b1_t0.7 fs $e2e --draft /tmp/hf/draft $feat --batch-sizes 1 --prompts-per-domain ${B1_PROMPTS:-3} \
+    --temperature 0.7 --out $out/e2e_b1_t0.7
 few="--draft /tmp/hf/draft $(have feature:general)"
-for t in 0 0.7; do
-  run "e2e_b1_t$t" fs $e2e --draft /tmp/hf/draft $main --batch-sizes 1 --prompts-per-domain ${B1_PROMPTS:-3} \
-      --temperature $t --out $out/e2e_b1_t$t
-done
 for t in 0 0.7; do
   run "e2e_b8_t$t" fs $e2e $few --batch-sizes 8 --prompts-per-domain 8 --temperature $t --out $out/e2e_b8_t$t
 done
 
-if left && [ -f "$ck/shallow/drafter.json" ]; then
-  jobs=()
-  for d in code prose chat; do
-    jobs+=("train_shallow_$d fs $train --kind shallow --data $(file $d) --data /tmp/data/distilled-$d.txt \
-            --base $ck/shallow --rank 32 --lr-layers 1e-3 --lr-head 1e-3 --steps 3000 --max-minutes 1 \
-            --out $ck/shallow-$d")
-  done
-  together "${jobs[@]}"
-  extra=$(have shallow:shallow-code shallow:shallow-prose shallow:shallow-chat)
-  [ -n "$extra" ] && run acceptance_shallow fs bench acceptance --target $T $extra --corpus $C --gammas 2,4,8 \
-      --styles text,chat --prompts-per-domain ${ACC_PROMPTS:-12} --batch 12 --max-new-tokens 64 --device cuda \
-      --dtype bfloat16 --no-warm-up --no-progress --out $out/acceptance_shallow
+if [ "${COMPARE:-0}" = 1 ]; then  # session 13's comparisons (BENCHMARKS.md "What each choice is worth")
+  S=${COMPARE_STEPS:-300}
+  short="--steps $S"
+  together "train_cmp_design fs $train $raw $dist $compact $lr $short --out $ck/cmp-design" \
+           "train_cmp_onepass fs $train $raw $dist $compact $lr --unroll 1 --feature-weight 0 $short --out $ck/cmp-onepass" \
+           "train_cmp_rawonly fs $train $raw $compact $lr $short --out $ck/cmp-rawonly" \
+           "train_cmp_fullwidth fs $train $raw $dist --draft-vocab 32768 $lr $short --out $ck/cmp-fullwidth"
+  stamp "compared"
 fi
 stamp "done"

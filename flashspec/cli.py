@@ -138,7 +138,8 @@ def train_drafter(args: argparse.Namespace) -> None:
     import json
 
     from .engine import SpeculativeEngine
-    from .train import TrainOptions, estimate_acceptance, load_head, read_text, save_drafter, token_chunks, train_head
+    from .train import (TrainOptions, continued_record, estimate_acceptance, load_head, read_text, save_drafter,
+                        token_chunks, train_head)
 
     layers = args.layers if args.layers is not None else (1 if args.kind == "feature" else 2)
     options = TrainOptions(layers=layers, shared_layers=args.shared_layers, head_width=args.head_width,
@@ -167,7 +168,10 @@ def train_drafter(args: argparse.Namespace) -> None:
     eos = engine.target.generation_config.eos_token_id
     always = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
     head, log = train_head(args.kind, engine.target, chunks, options, estimate=estimate, base=base, always=always)
-    out = save_drafter(head, engine.target, args.out, log, storage=args.storage, base=args.base)
+    delta = args.rank is not None
+    if args.base and not delta:  # the whole drafter trained further: a new full checkpoint, its history kept
+        log["before"] = continued_record(args.base)
+    out = save_drafter(head, engine.target, args.out, log, storage=args.storage, base=args.base if delta else None)
     saved = estimate_acceptance(load_head(out, engine.target, args.kind), engine.target, estimate, options.batch)
     record = json.loads((out / "drafter.json").read_text())
     record["training"]["alpha1_saved"] = saved[0]  # the checkpoint as saved (int8 rows, merged deltas)

@@ -39,10 +39,12 @@ __all__ = [
     "LowRank",
     "TrainOptions",
     "add_low_rank",
+    "continued_record",
     "draft_vocab",
     "estimate_acceptance",
     "load_feature_head",
     "load_head",
+    "training_totals",
     "read_text",
     "save_drafter",
     "token_chunks",
@@ -443,6 +445,30 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     if device.type == "cuda":
         log["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     return head.to(next(target.parameters()).dtype).eval(), log
+
+
+def training_totals(log: dict[str, Any]) -> dict[str, Any]:
+    """Steps, tokens and seconds of a training record, counting the runs it continued
+    (``log["before"]``, written when ``train-drafter --base`` trains a whole drafter further)."""
+    before = training_totals(log["before"]) if isinstance(log.get("before"), dict) else {"steps": 0, "tokens": 0,
+                                                                                          "seconds": 0.0}
+    steps = log.get("stopped_at_step") or len(log.get("loss", [])) or log.get("steps", 0)
+    return {"steps": before["steps"] + steps, "tokens": before["tokens"] + log.get("tokens", 0),
+            "seconds": before["seconds"] + log.get("seconds", 0.0)}
+
+
+def continued_record(folder: str | Path) -> dict[str, Any]:
+    """What a run that trains the drafter in ``folder`` further records of it (``log["before"]``):
+    its path and checksum, its totals (:func:`training_totals`) and its acceptance estimates, with
+    their steps counted from the first run's start."""
+    folder = Path(folder)
+    prior = _read_meta(folder).get("training", {})
+    totals = training_totals(prior)
+    own = totals["steps"] - (prior.get("stopped_at_step") or len(prior.get("loss", [])) or prior.get("steps", 0))
+    estimates = list(prior["before"].get("estimates", [])) if isinstance(prior.get("before"), dict) else []
+    estimates += [{**e, "step": e["step"] + own} for e in prior.get("estimates", [])]
+    return {"path": str(folder), "sha256": _file_sha256(folder / "drafter.safetensors"), **totals,
+            "estimates": estimates}
 
 
 def _estimate(step: int, alphas: list[float]) -> dict[str, Any]:

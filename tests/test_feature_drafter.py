@@ -213,6 +213,26 @@ def test_train_drafter_command_trains_saves_and_the_engine_loads_it(kind, tmp_pa
     engine = SpeculativeEngine(str(tmp_path / "target"), [f"{kind}:{tmp_path / 'drafter'}"], device="cpu")
     prompt = [[ord(c) for c in "def f3(x):\n"]]
     assert engine.generate(prompt, max_new_tokens=10, eos_token_id=[]).sequences == _reference(model, prompt, 10)
+    # --base without --rank trains the whole drafter further: a full checkpoint that keeps its history
+    rc = main(["train-drafter", "--kind", kind, "--target", str(tmp_path / "target"), "--data", str(text), "--out",
+               str(tmp_path / "further"), "--base", str(tmp_path / "drafter"), "--steps", "4", "--batch", "2",
+               "--seq-len", "32", "--estimate-every", "2", "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    further = json.loads((tmp_path / "further" / "drafter.json").read_text())
+    assert "base" not in further and len(further["training"]["loss"]) == 4
+    before = further["training"]["before"]
+    assert before["steps"] == 6 and before["tokens"] == record["training"]["tokens"] == 6 * 2 * 32
+    assert [e["step"] for e in before["estimates"]] == [0, 3, 6]
+    from flashspec.train import training_totals
+
+    assert training_totals(further["training"])["steps"] == 10
+    assert training_totals(further["training"])["tokens"] == 10 * 2 * 32
+    engine = SpeculativeEngine(str(tmp_path / "target"), [f"{kind}:{tmp_path / 'further'}"], device="cpu")
+    assert engine.generate(prompt, max_new_tokens=10, eos_token_id=[]).sequences == _reference(model, prompt, 10)
+    from flashspec.bench.training import bench_training
+
+    row = bench_training([str(tmp_path / "further")]).splitlines()[2]
+    assert "| 10 (6 + 4) |" in row and f"| {10 * 2 * 32:,} |" in row
     assert main(["train-drafter", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "nope.txt"),
                  "--out", str(tmp_path / "x"), "--device", "cpu"]) == 2
     assert "does not exist" in capsys.readouterr().err

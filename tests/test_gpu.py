@@ -269,14 +269,20 @@ def test_feature_training_unrolled_in_bf16_on_the_gpu(vocab, tmp_path):
     assert len(out.sequences) == len(plain.sequences) and all(len(s) == 16 for s in out.sequences)
 
 
-def test_step_anatomy_of_a_feature_drafter(tmp_path):
+@pytest.mark.parametrize("kind", ["feature", "shallow"])
+def test_step_anatomy_of_a_drafter_made_from_the_target(kind, tmp_path):
     """bench gpu's step anatomy with a drafter made from the target: its own forwards (the
-    re-fed window and the one-token drafts) are timed, and the share outside the forwards is."""
+    re-fed window and the one-token drafts; a shallow drafter's also run the target's first N
+    layers) are timed, and the share outside the forwards is."""
     from flashspec.bench.gpu import bench_pair
 
     target = tiny("llama", 0, torch.bfloat16)
     prompts = {"random": [p * 4 for p in PROMPTS]}
-    pair = bench_pair("tiny", target, f"feature:{feature_checkpoint(target)}", prompts, 1e12, max_new_tokens=24,
+    checkpoint = feature_checkpoint(target) if kind == "feature" else shallow_checkpoint(target)
+    pair = bench_pair("tiny", target, f"{kind}:{checkpoint}", prompts, 1e12, max_new_tokens=24,
                       gamma=3, compile=False)
-    assert {"drafter_1", "drafter_4"} <= set(pair["forward_seconds"])
+    fwd = pair["forward_seconds"]
+    assert {"drafter_1", "drafter_4"} <= set(fwd)
+    if kind == "shallow":
+        assert 0 < fwd["shared_layers_1"] < fwd["drafter_1"]
     assert 0 < pair["speculative_forwards_seconds"] and pair["speculative_overhead"] < 1

@@ -26,6 +26,7 @@ import torch
 
 from ..cache import StaticLM
 from ..drafters.feature import FeatureDrafter
+from ..drafters.shallow import ShallowDrafter
 from ..engine import SpeculativeEngine
 from ..kernels import pdl
 from .corpus import DOMAINS, heldout_prompts
@@ -183,14 +184,19 @@ def bench_pair(
     fwd = {"target_1": forward_seconds(lm_target, 1, 1, context_int),
            f"target_{gamma + 1}": forward_seconds(lm_target, 1, gamma + 1, context_int)}
     made = speculative.drafters[0] if drafter is not None else None
-    window = getattr(made, "MIN_WINDOW", None) if isinstance(made, FeatureDrafter) else None
+    window = getattr(made, "MIN_WINDOW", None) if isinstance(made, (FeatureDrafter, ShallowDrafter)) else None
     lm_draft = getattr(made, "lm", None) if window else getattr(made, "_lm", None)
     if isinstance(lm_draft, StaticLM):
         fwd["drafter_1"] = forward_seconds(lm_draft, 1, 1, context_int)
-        # a model drafter feeds 2 tokens first (its catch-up); a feature drafter re-feeds its
-        # window, at least MIN_WINDOW positions (SPEC.md §11): timed at that width
+        # a model drafter feeds 2 tokens first (its catch-up); a feature or shallow drafter
+        # re-feeds its window, at least MIN_WINDOW positions (SPEC.md §11): timed at that width
         fwd["drafter_2" if window is None else f"drafter_{window}"] = forward_seconds(lm_draft, 1, window or 2,
                                                                                       context_int)
+        if isinstance(made, ShallowDrafter):  # each draft also runs the target's first N layers on one token
+            shared = forward_seconds(lm_target, 1, 1, context_int, layers=made.feature_layer)
+            fwd["shared_layers_1"] = shared
+            fwd["drafter_1"] += shared
+            fwd[f"drafter_{window}"] += shared
     result["forward_seconds"] = fwd
     if isinstance(lm_target, StaticLM):
         result["forward_by_decode_maps"] = forward_by_decode_maps(lm_target, (1, gamma + 1), context_int)

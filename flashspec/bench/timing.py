@@ -144,10 +144,11 @@ def graph_replay_seconds(calls: list[Callable[[], Any]]) -> float:
         torch.cuda.empty_cache()
 
 
-def forward_seconds(lm: Any, batch: int, width: int, context: int, iters: int = 50) -> float:
+def forward_seconds(lm: Any, batch: int, width: int, context: int, iters: int = 50, layers: int | None = None) -> float:
     """Median seconds of one forward of a :class:`flashspec.cache.StaticLM` over ``width`` new
     tokens of ``batch`` rows after ``context`` cached positions, replayed from a CUDA graph as
-    the engine runs it (two untimed runs capture it); CUDA events, ``iters`` rounds of one."""
+    the engine runs it (two untimed runs capture it); CUDA events, ``iters`` rounds of one.
+    ``layers``: the first ``layers`` layers only, no head (a shallow drafter's shared part)."""
     from ..graphs import Graphs
 
     device = lm.model.device
@@ -155,6 +156,7 @@ def forward_seconds(lm: Any, batch: int, width: int, context: int, iters: int = 
     tokens = torch.randint(0, lm.model.config.vocab_size, (batch, width), device=device)
     start = torch.full((batch,), context, dtype=torch.long, device=device)
     graphs = Graphs(enabled=True)
+    part = {} if layers is None else {"layers": layers, "head": False}
     for _ in range(2):
-        graphs.run("forward", lambda: lm.forward(tokens, start))
-    return event_seconds(lambda _: graphs.run("forward", lambda: lm.forward(tokens, start)), 1, iters)
+        graphs.run("forward", lambda: lm.forward(tokens, start, **part))
+    return event_seconds(lambda _: graphs.run("forward", lambda: lm.forward(tokens, start, **part)), 1, iters)

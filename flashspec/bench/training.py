@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..train import training_totals
 from .results import pyplot, save_figure, write_results
 
 __all__ = ["read_record", "training_table", "bench_training"]
@@ -64,6 +65,15 @@ def _alphas(log: dict[str, Any]) -> str:
     return "/".join(f"{a:.3f}" for a in values) if values else "—"
 
 
+def _runs(log: dict[str, Any], key: str) -> str:
+    """``key``'s total, and for a drafter trained further its runs' share: ``"3000 (1632 + 1368)"``."""
+    total = training_totals(log)[key]
+    if not isinstance(log.get("before"), dict):
+        return f"{total:.0f}"
+    before = training_totals(log["before"])[key]
+    return f"{total:.0f} ({before:.0f} + {total - before:.0f})"
+
+
 def training_table(records: list[dict[str, Any]]) -> str:
     """A markdown table: design, steps, tokens, seconds, α by depth as saved, peak memory, bytes."""
     header = ("| drafter | kind | design | steps | tokens seen | seconds | α₁/α₂/α₃ (as saved) "
@@ -71,12 +81,12 @@ def training_table(records: list[dict[str, Any]]) -> str:
     lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for meta in records:
         log = meta["training"]
-        steps = log.get("stopped_at_step") or len(log.get("loss", []))
+        total = training_totals(log)  # a drafter trained further counts its earlier runs too
         memory = log.get("peak_memory_bytes")
         size = meta.get("bytes")
         lines.append(
-            f"| {meta['name']} | {meta.get('kind')} | {_design(meta)} | {steps} | {log.get('tokens', 0):,} "
-            f"| {log.get('seconds', 0):.0f} | {_alphas(log)} "
+            f"| {meta['name']} | {meta.get('kind')} | {_design(meta)} | {_runs(log, 'steps')} | {total['tokens']:,} "
+            f"| {_runs(log, 'seconds')} | {_alphas(log)} "
             f"| {'—' if memory is None else f'{memory / 2**30:.1f} GiB'} "
             f"| {'—' if size is None else f'{size / 1e6:.1f} MB'} |")
     return "\n".join(lines)
@@ -86,7 +96,11 @@ def _curves(records: list[dict[str, Any]], path: Path) -> Path:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for i, meta in enumerate(records):
-        estimates = meta["training"].get("estimates", [])
+        log = meta["training"]
+        before = log.get("before") if isinstance(log.get("before"), dict) else {}
+        offset = training_totals(before)["steps"] if before else 0  # steps counted from the first run's start
+        estimates = list(before.get("estimates", [])) + [{**e, "step": e["step"] + offset}
+                                                         for e in log.get("estimates", [])]
         style = {"marker": ".", "label": meta["name"], "color": f"C{i % 10}"}  # one colour per drafter
         if not estimates:
             continue
