@@ -365,6 +365,23 @@ class Batch:
                 run.ws.active[slot] = False
             run.poll()
             run.stats.decode_seconds += time.perf_counter() - started
+        updates = self._report(failed)
+        run.after_poll()
+        return updates
+
+    @torch.inference_mode()
+    def flush(self) -> list[RowUpdate]:
+        """Each request's tokens gained since they were last handed out, without a step: called
+        right after :meth:`add`, it hands out the first tokens drawn at the joins (and finishes
+        the requests that ended there), so that a joining request's time to its first token
+        does not include the next step of the whole batch (SPEC.md §12)."""
+        self._check_open()
+        return self._report({}) if self._slot_of else []
+
+    def _report(self, failed: dict[int, str]) -> list[RowUpdate]:
+        """The updates of every request in the batch (``failed``: slot → the sentence of its
+        fault); a finished request leaves the batch."""
+        run = self._run
         lengths, generated, active = (t.tolist() for t in (run.length, run.generated, run.active))
         updates = []
         for handle, slot in list(self._slot_of.items()):
@@ -384,7 +401,6 @@ class Batch:
                 continue
             self._free(handle)
         run.stats.new_tokens += sum(len(u.tokens) for u in updates)
-        run.after_poll()
         return updates
 
     def cancel(self, handle: int) -> bool:

@@ -57,6 +57,32 @@ def test_rows_joining_and_leaving_match_generate(drafter):
     assert engine.generate([prompts[0]], max_new_tokens=5).sequences[0] == expected[0][:5]  # usable again
 
 
+def test_flush_hands_out_a_joining_requests_first_token_at_once():
+    """``Batch.flush`` after ``add`` hands out the token drawn at the join (no step runs), ends a
+    request that finished there, and changes nothing that the following steps hand out."""
+    engine = SpeculativeEngine(tiny_model("llama", seed=0), ["ngram"])
+    first, second = [5, 6, 7, 8], [9, 1, 2]
+    expected = engine.generate([first], max_new_tokens=12).sequences[0]
+    alone = engine.generate([second], max_new_tokens=1).sequences[0]
+    with engine.batch(slots=2, max_length=64) as batch:
+        a = batch.add(first, max_new_tokens=12)
+        (update,) = batch.flush()
+        assert update.handle == a and update.tokens == expected[:1] and not update.finished
+        (again,) = batch.flush()
+        assert again.tokens == [] and not again.finished  # nothing new without a step
+        got = list(update.tokens)
+        for u in batch.step():
+            got += u.tokens
+        b = batch.add(second, max_new_tokens=1)  # ends at its prefill: flush finishes it
+        updates = {u.handle: u for u in batch.flush()}
+        assert updates[b].finished and updates[b].finish_reason == "length" and updates[b].tokens == alone
+        assert updates[a].tokens == [] and batch.free_slots == 1
+        while batch.running:
+            for u in batch.step():
+                got += u.tokens
+    assert got == expected
+
+
 def test_batch_cancel_frees_the_slot_and_rejects_bad_requests():
     engine = SpeculativeEngine(tiny_model("llama", seed=0), ["ngram"])
     with engine.batch(slots=1, max_length=64) as batch:

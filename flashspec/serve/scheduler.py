@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batching import Batch
+from ..batching import Batch, RowUpdate
 from .metrics import Metrics
 
 __all__ = ["QueueFull", "Scheduler", "Ticket"]
@@ -192,24 +192,29 @@ class Scheduler:
                 self._running[ticket.handle] = ticket
                 self.metrics.prompt_tokens.inc(len(ticket.ids))
             self.metrics.running.set(len(self._running))
-            updates = batch.step()
-            now = time.perf_counter()
-            for update in updates:
-                ticket = self._running.get(update.handle)
-                if ticket is None:
-                    continue
-                if update.tokens:
-                    self._observe(ticket, len(update.tokens), now)
-                    ticket.send("tokens", update.tokens)
-                if update.finished:
-                    del self._running[update.handle]
-                    if update.error is not None:
-                        ticket.send("error", update.error)
-                        self.metrics.requests.labels("error").inc()
-                    else:
-                        ticket.send("done", update.finish_reason)
+            if admitted:
+                self._dispatch(batch.flush())  # their first tokens now, not after the next step
+            self._dispatch(batch.step())
             self.metrics.running.set(len(self._running))
             self._observe_stats(batch)
+
+    def _dispatch(self, updates: list[RowUpdate]) -> None:
+        """Send each request's new tokens and, when it finished, its end."""
+        now = time.perf_counter()
+        for update in updates:
+            ticket = self._running.get(update.handle)
+            if ticket is None:
+                continue
+            if update.tokens:
+                self._observe(ticket, len(update.tokens), now)
+                ticket.send("tokens", update.tokens)
+            if update.finished:
+                del self._running[update.handle]
+                if update.error is not None:
+                    ticket.send("error", update.error)
+                    self.metrics.requests.labels("error").inc()
+                else:
+                    ticket.send("done", update.finish_reason)
 
     def _observe(self, ticket: Ticket, count: int, now: float) -> None:
         metrics = self.metrics  # (generated tokens are counted by the handler: only the text returned, app.py)
