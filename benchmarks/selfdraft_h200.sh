@@ -116,7 +116,7 @@ extra=$(have shallow:shallow-code shallow:shallow-prose shallow:shallow-chat)
 [ -n "$extra" ] && run acceptance_shallow fs $acc $extra --out $out/acceptance_shallow
 
 # Step anatomy (alone: these are timings): the forwards as graph replays against a measured step.
-gpu="bench gpu --target $T --corpus $C --shaped= --no-kernels --prompts-per-domain 2"
+gpu="bench gpu --target $T --corpus $C --shaped= --no-kernels --no-maps --no-hf --prompts-per-domain 2"
 [ -f "$ck/general/drafter.json" ] && run gpu_feature fs $gpu --draft feature:$ck/general --out $out/gpu_feature
 [ -f "$ck/shallow/drafter.json" ] && run gpu_shallow fs $gpu --draft shallow:$ck/shallow --out $out/gpu_shallow
 

@@ -96,6 +96,9 @@ def _gpu_parser(sub: Any) -> None:
     p.add_argument("--corpus", default="../shared/corpus", help="folder with the three-domain corpus")
     p.add_argument("--shaped", default="llama3-8b", help="comma-separated random-weight shapes ('' for none)")
     p.add_argument("--no-kernels", action="store_true", help="skip the verify-kernel table")
+    p.add_argument("--no-maps", action="store_true",
+                   help="skip the real target's forward timed per set of decode-linear maps (one capture per set)")
+    p.add_argument("--no-hf", action="store_true", help="skip timing transformers' eager generate on the real target")
     p.add_argument("--no-compile", action="store_true", help="decode without torch.compile")
     p.add_argument("--prompts-per-domain", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=256)
@@ -366,7 +369,8 @@ def bench_gpu(args: argparse.Namespace) -> None:
         Path(args.out), target=args.target, drafter=args.draft, corpus=Path(args.corpus), shaped=shaped,
         kernels=not args.no_kernels, prompts_per_domain=args.prompts_per_domain,
         prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
-        gamma=args.num_draft_tokens, compile=not args.no_compile,
+        gamma=args.num_draft_tokens, compile=not args.no_compile, maps_table=not args.no_maps,
+        hf_baseline=not args.no_hf,
     )
 
 

@@ -141,6 +141,7 @@ def bench_pair(
     compile: bool,
     temperatures: tuple[float, ...] = (0.0,),
     hf_baseline: bool = False,
+    maps_table: bool = True,
 ) -> dict[str, Any]:
     """Target-only vs speculative for one target/drafter pair on prompts by domain."""
     result: dict[str, Any] = {"name": name, "gamma": gamma, "compile": compile, "max_new_tokens": max_new_tokens}
@@ -198,7 +199,7 @@ def bench_pair(
             fwd["drafter_1"] += shared
             fwd[f"drafter_{window}"] += shared
     result["forward_seconds"] = fwd
-    if isinstance(lm_target, StaticLM):
+    if maps_table and isinstance(lm_target, StaticLM):
         result["forward_by_decode_maps"] = forward_by_decode_maps(lm_target, (1, gamma + 1), context_int)
     greedy = [r for r in rows if r["temperature"] == 0]
     if greedy:
@@ -295,8 +296,13 @@ def run(
     max_new_tokens: int = 256,
     gamma: int = 4,
     compile: bool = True,
+    maps_table: bool = True,
+    hf_baseline: bool = True,
 ) -> dict[str, Any]:
-    """Everything, in one process; writes ``gpu.json`` and ``gpu.md`` into ``out_dir``."""
+    """Everything, in one process; writes ``gpu.json`` and ``gpu.md`` into ``out_dir``.
+    ``maps_table``: also time the real target's forward per set of decode-linear maps (it
+    captures the forward once per set); ``hf_baseline``: also time transformers' eager
+    ``generate`` on it."""
     from . import kernels as bench_kernels
     from ..models import load_model, load_tokenizer
 
@@ -339,7 +345,8 @@ def run(
         made_from_target = bool(drafter) and drafter.startswith(("early-exit:", "feature:", "shallow:"))
         d_model = drafter if made_from_target else load(drafter, torch.bfloat16) if drafter else None
         pair = bench_pair(Path(target).stem, t_model, d_model, prompts, copy_bw, max_new_tokens=max_new_tokens,
-                          gamma=gamma, compile=compile, temperatures=(0.0, 0.7), hf_baseline=True)
+                          gamma=gamma, compile=compile, temperatures=(0.0, 0.7), hf_baseline=hf_baseline,
+                          maps_table=maps_table)
         del t_model, d_model
         torch.cuda.empty_cache()
         if drafter and not made_from_target:  # float32_equality loads model drafters only

@@ -67,3 +67,16 @@ def test_defaults_without_pdl_where_pdl_runs(monkeypatch):
     assert list(result["seconds"])[-1] == "defaults, PDL off"
     assert seen[-1] == (lm.decode_maps, False) and all(on == setting for _, on in seen[:-1])
     assert pdl.ENABLED == setting  # put back as it was
+
+
+def test_the_command_passes_its_options_to_the_run(monkeypatch, tmp_path):
+    """``--no-maps`` and ``--no-hf`` reach ``gpu.run`` (the H200 script uses them to keep the step
+    anatomy short); without them both tables are on."""
+    from flashspec.cli import main
+
+    seen = []
+    monkeypatch.setattr(bench_gpu, "run", lambda out, **kw: seen.append(kw))
+    assert main(["bench", "gpu", "--shaped=", "--no-maps", "--no-hf", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "gpu", "--shaped=", "--out", str(tmp_path)]) == 0
+    assert (seen[0]["maps_table"], seen[0]["hf_baseline"], seen[0]["shaped"]) == (False, False, ())
+    assert (seen[1]["maps_table"], seen[1]["hf_baseline"]) == (True, True)
