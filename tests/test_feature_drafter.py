@@ -248,6 +248,31 @@ def _compact_head(model, seed=0, vocab=None):
     return head
 
 
+@pytest.mark.parametrize("params", [dict(do_sample=False), dict(do_sample=True, temperature=0.7),
+                                    dict(do_sample=True, temperature=1.3, top_k=2),
+                                    dict(do_sample=True, temperature=0.9, top_p=0.6)])
+def test_drawing_in_the_draft_vocabulary_is_the_law_of_the_full_row(params):
+    """draw_in_subset on the draft vocabulary's logits returns target ids and the same law q as
+    drawing from the full row that is -inf outside it (SPEC.md §11.4); a sampled token has q > 0."""
+    from flashspec.drafters.base import draw
+    from flashspec.drafters.feature import draw_in_subset
+    from flashspec.sampling import SamplingParams
+
+    sampling = SamplingParams(**params)
+    vocab = torch.tensor([7, 2, 11, 0, 5])  # not sorted: the draft vocabulary is by frequency
+    small = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    full = torch.full((3, 12), float("-inf")).index_copy(-1, vocab, small)
+    uniforms = torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    token, q = draw_in_subset(small, vocab, 12, sampling, uniforms)
+    reference, q_full = draw(full, sampling, uniforms)
+    assert token.shape == (3,) and bool(torch.isin(token, vocab).all())
+    if q is None:
+        assert q_full is None and torch.equal(token, reference)
+    else:
+        torch.testing.assert_close(q, q_full)
+        assert bool((q.gather(1, token[:, None]) > 0).all())
+
+
 def test_subset_head_is_the_target_head_on_its_rows_and_minus_infinity_elsewhere():
     from flashspec.drafters.feature import SubsetHead
 

@@ -129,6 +129,23 @@ def _drift(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"prompts": len(a), "differing": len(differing), "first_difference": differing}
 
 
+class _FedForward:
+    """A feature drafter's forward as it runs per draft, for :func:`forward_seconds`: its input
+    projection ``fc([f; e])`` (part of the drafter's network), then its layer and head."""
+
+    def __init__(self, drafter: FeatureDrafter) -> None:
+        self.drafter, self.model = drafter, drafter.lm.model
+
+    def reset(self, batch: int, capacity: int) -> bool:
+        return self.drafter.lm.reset(batch, capacity)
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        lm = self.drafter.lm
+        embeddings = lm.base.embed_tokens(tokens)
+        x = self.drafter.head.inputs(torch.zeros_like(embeddings), embeddings)  # a feature's cost, not its value
+        return lm.forward(None, start, embeds=x, **kwargs)
+
+
 def bench_pair(
     name: str,
     target: Any,
@@ -188,6 +205,8 @@ def bench_pair(
     window = getattr(made, "MIN_WINDOW", None) if isinstance(made, (FeatureDrafter, ShallowDrafter)) else None
     lm_draft = getattr(made, "lm", None) if window else getattr(made, "_lm", None)
     if isinstance(lm_draft, StaticLM):
+        if isinstance(made, FeatureDrafter):
+            lm_draft = _FedForward(made)
         fwd["drafter_1"] = forward_seconds(lm_draft, 1, 1, context_int)
         # a model drafter feeds 2 tokens first (its catch-up); a feature or shallow drafter
         # re-feeds its window, at least MIN_WINDOW positions (SPEC.md §11): timed at that width

@@ -26,7 +26,7 @@ from ..graphs import Graphs
 from ..sampling import SamplingParams
 from .base import Draft, History, draw
 
-__all__ = ["FeatureDrafter", "FeatureHead", "SubsetHead", "decoder_layer"]
+__all__ = ["FeatureDrafter", "FeatureHead", "SubsetHead", "decoder_layer", "draw_in_subset"]
 
 PREFIX = "feature:"
 
@@ -100,7 +100,12 @@ class SubsetHead(nn.Module):
 
     ``forward`` returns logits over the whole vocabulary with ``-inf`` outside ``vocab``, so the
     draft law ``q`` the engine verifies with is exactly the law the draft token was drawn from.
-    The rows are gathered once (a derived tensor of ``len(vocab) × hidden``, not a parameter)."""
+    With ``compact = True`` it returns the ``len(vocab)`` logits only: :class:`FeatureDrafter`
+    draws in the draft vocabulary and maps the token and its law back (:func:`draw_in_subset`),
+    which skips writing and reading a full-vocabulary row per draft. The rows are gathered once
+    (a derived tensor of ``len(vocab) × hidden``, not a parameter)."""
+
+    compact = False
 
     def __init__(self, lm_head: nn.Module, vocab: torch.Tensor) -> None:
         super().__init__()
@@ -116,8 +121,25 @@ class SubsetHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         small = self.subset(x)
+        if self.compact:
+            return small
         full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy(-1, self.vocab, small)
+
+
+def draw_in_subset(logits: torch.Tensor, vocab: torch.Tensor, vocab_size: int, params: SamplingParams,
+                   uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`draw` from ``logits [B, len(vocab)]`` over the draft vocabulary ``vocab`` (target
+    ids): the token as a target id, and its law over the whole vocabulary ``[B, vocab_size]``
+    (zero outside ``vocab``; None when greedy). The same law as drawing from full-vocabulary logits
+    that are ``-inf`` outside ``vocab`` (SPEC.md §11.4): top-k and top-p keep the same tokens,
+    since the excluded ones have probability 0 there; only the order the inverse CDF walks (and so
+    which token a given uniform picks, and greedy's tie-break) differs."""
+    token, q = draw(logits, params, uniforms)
+    token = vocab[token]
+    if q is not None:
+        q = q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(-1, vocab, q)
+    return token, q
 
 
 def _check_int(name: str, value: Any) -> None:
@@ -158,6 +180,10 @@ class FeatureDrafter:
         self.feature_layer = len(target.base.layers)  # the target's last layer, before its final norm
         self.name = name or "feature"
         self.lm = StaticLM(head.draft_model(target.model))
+        subset = self.lm.model.lm_head
+        if isinstance(subset, SubsetHead):
+            subset.compact = True  # this drafter draws in the draft vocabulary (draw_in_subset)
+        self._subset = subset if isinstance(subset, SubsetHead) else None
         device = next(target.model.parameters()).device
         self._graphs = Graphs(enabled=device.type == "cuda")
         self._graph_inputs: tuple[int, ...] = ()
@@ -269,8 +295,12 @@ class FeatureDrafter:
                             (length - 1 - start)[:, None])[:, 0]
         hidden = self._features.shape[-1]
         drafted, laws = [], []
+        subset = self._subset
         for i in range(num_tokens):
-            token, q = draw(logits, params, uniforms[:, i])
+            if subset is None:
+                token, q = draw(logits, params, uniforms[:, i])
+            else:
+                token, q = draw_in_subset(logits, subset.vocab, subset.vocab_size, params, uniforms[:, i])
             if q is not None:
                 laws.append(q)
             drafted.append(token)
