@@ -21,7 +21,9 @@
 # .whl/ and the corpus in device_carry/corpus (see BENCHMARKS.md "How the H200 runs were made").
 # Usage: bash benchmarks/selfdraft_h200.sh OUTDIR   (prints "== done" at the end; "== trained"
 # when the checkpoints to keep are in OUTDIR/keep.tar)
-# GENERAL_MINUTES, DELTA_MINUTES, COMPARE_STEPS, DISTILL_COUNT, ACC_PROMPTS and B1_PROMPTS shrink it.
+# GENERAL_MINUTES, DELTA_MINUTES, COMPARE_STEPS, DISTILL_COUNT, ACC_PROMPTS and B1_PROMPTS shrink it;
+# TRAIN=0 measures the committed feature drafters as they are (only the shallow ones train);
+# DISTILLED=FILE unpacks an earlier run's distilled.tar.xz instead of distilling again.
 set -uo pipefail
 out=${1:?usage: selfdraft_h200.sh OUTDIR}
 begun=$(date +%s)
@@ -63,12 +65,16 @@ ck=$out/ckpt
 file() { case $1 in chat) echo "$C/dialogue.txt.xz" ;; *) echo "$C/$1.txt.xz" ;; esac; }
 have() { local list=(); for d in "$@"; do [ -f "$ck/${d#*:}/drafter.json" ] && list+=(--draft "${d%%:*}:$ck/${d#*:}"); done; echo "${list[@]}"; }
 
-for d in code prose chat; do
-  run "distill_$d" fs distill --target $T --corpus $C --domain $d --style chat --count ${DISTILL_COUNT:-768} \
-      --batch 256 --max-new-tokens 256 --no-progress --out /tmp/data/distilled-$d.txt
-done
+if [ -n "${DISTILLED:-}" ]; then  # a carried distilled.tar.xz of an earlier run: the same data, no GPU time
+  tar xJf "$DISTILLED" -C /tmp/data; stamp "distilled data from $DISTILLED"
+else
+  for d in code prose chat; do
+    run "distill_$d" fs distill --target $T --corpus $C --domain $d --style chat --count ${DISTILL_COUNT:-768} \
+        --batch 256 --max-new-tokens 256 --no-progress --out /tmp/data/distilled-$d.txt
+  done
+  (cd /tmp/data && tar cJf "$out/distilled.tar.xz" distilled-*.txt) &  # a later session can carry it
+fi
 wait $tests; stamp "gpu tests exit $?"
-(cd /tmp/data && tar cJf "$out/distilled.tar.xz" distilled-*.txt) &  # a later session can carry it
 
 raw="--data $C/code.txt.xz --data $C/prose.txt.xz --data $C/dialogue.txt.xz"
 dist="--data /tmp/data/distilled-code.txt --data /tmp/data/distilled-prose.txt --data /tmp/data/distilled-chat.txt"
@@ -79,7 +85,10 @@ BASE=${BASE:-flashspec/checkpoints/qwen2.5-coder-1.5b-instruct/general}
 G=${GENERAL_MINUTES:-4}
 # The product, alone on the GPU: its seconds are its training cost (a drafter trained further
 # records the earlier runs too: `flashspec bench training` adds them up).
-if [ "$BASE" = none ]; then
+COMMITTED=flashspec/checkpoints/qwen2.5-coder-1.5b-instruct
+if [ "${TRAIN:-1}" = 0 ]; then  # measure the committed feature drafters as they are
+  mkdir -p $ck && cp -r $COMMITTED/general $COMMITTED/code $COMMITTED/prose $COMMITTED/chat $ck/
+elif [ "$BASE" = none ]; then
   run train_general fs $train $raw $dist $compact $lr --steps 6000 --max-minutes $G --out $ck/general
 else
   run train_general fs $train $raw $dist --base $BASE --lr-layers 3e-4 --lr-head 3e-4 --steps 6000 \
@@ -89,6 +98,7 @@ fi
 M=${DELTA_MINUTES:-2}
 jobs=()
 for d in code prose chat; do
+  [ "${TRAIN:-1}" = 0 ] && break
   jobs+=("train_$d fs $train --data $(file $d) --data /tmp/data/distilled-$d.txt --base $ck/general --rank 32 \
           --lr-layers 1e-3 --lr-head 1e-3 --steps 3000 --max-minutes $M --out $ck/$d")
 done
