@@ -23,6 +23,8 @@
 # when the checkpoints to keep are in OUTDIR/keep.tar)
 # GENERAL_MINUTES, DELTA_MINUTES, COMPARE_STEPS, DISTILL_COUNT, ACC_PROMPTS and B1_PROMPTS shrink it;
 # TRAIN=0 measures the committed feature drafters as they are (only the shallow ones train);
+# SHALLOW=0 leaves the shallow drafters out (no training, no rows); ACCEPTANCE=0 skips stage 3
+# (the committed drafters' acceptance was measured in an earlier run: it does not depend on speed);
 # DISTILLED=FILE unpacks an earlier run's distilled.tar.xz instead of distilling again.
 set -uo pipefail
 out=${1:?usage: selfdraft_h200.sh OUTDIR}
@@ -102,9 +104,9 @@ for d in code prose chat; do
   jobs+=("train_$d fs $train --data $(file $d) --data /tmp/data/distilled-$d.txt --base $ck/general --rank 32 \
           --lr-layers 1e-3 --lr-head 1e-3 --steps 3000 --max-minutes $M --out $ck/$d")
 done
-jobs+=("train_shallow fs $train --kind shallow $raw $dist --layers 1 --head-width 512 $lr --steps 3000 --max-minutes $M \
-        --out $ck/shallow")
-together "${jobs[@]}"
+[ "${SHALLOW:-1}" = 1 ] && jobs+=("train_shallow fs $train --kind shallow $raw $dist --layers 1 --head-width 512 $lr \
+        --steps 3000 --max-minutes $M --out $ck/shallow")
+[ ${#jobs[@]} -gt 0 ] && together "${jobs[@]}"
 (cd $out && tar cf keep.tar ckpt/general ckpt/code ckpt/prose ckpt/chat 2>/dev/null)
 stamp "trained"
 
@@ -121,9 +123,11 @@ if [ -f "$ck/shallow/drafter.json" ]; then
             --out $ck/shallow-$d")
   done
 fi
-together "${jobs[@]}"
-extra=$(have shallow:shallow-code shallow:shallow-prose shallow:shallow-chat)
-[ -n "$extra" ] && run acceptance_shallow fs $acc $extra --out $out/acceptance_shallow
+if [ "${ACCEPTANCE:-1}" = 1 ]; then
+  together "${jobs[@]}"
+  extra=$(have shallow:shallow-code shallow:shallow-prose shallow:shallow-chat)
+  [ -n "$extra" ] && run acceptance_shallow fs $acc $extra --out $out/acceptance_shallow
+fi
 
 # Step anatomy (alone: these are timings): the forwards as graph replays against a measured step.
 gpu="bench gpu --target $T --corpus $C --shaped= --no-kernels --no-maps --no-hf --prompts-per-domain 2"

@@ -173,7 +173,8 @@ class _BatchRun(_Run):
         features = {} if ws.hidden is None else {"hidden_out": {n: h[one] for n, h in ws.hidden.items()}}
         with self.plan.target.only_row(b):
             logits = self.plan.target.forward(ws.tokens[one, :width], zeros, None,
-                                              logits_at=torch.tensor([[width - 1]], device=device), **features)
+                                              logits_at=torch.tensor([[width - 1]], device=device), eager=True,
+                                              **features)
         if not bool(torch.isfinite(logits).all()):
             ws.active[b] = False
             raise ValueError(f"Generation stopped at the prefill: {FAULTS[1]}.")
@@ -276,7 +277,8 @@ class Batch:
                 plan = Plan(target=engine._target_lm, drafters=engine.drafters, arm_drafters=[d for d, _ in engine.arms],
                             arm_gammas=gammas, labels=[engine.arm_label(a, num_draft_tokens) for a in range(len(engine.arms))],
                             selector=engine.selection.for_request(None), graphs=Graphs(enabled=False),
-                            workspace=workspace, commit_step=engine._commit_step, tp=None, queue_ahead=False)
+                            workspace=workspace, commit_step=engine._commit_step,
+                            stage_drafts=engine._stage_drafts, tp=None, queue_ahead=False)
                 self._run = _BatchRun(plan, self.stats, eos, max_length)
         except BaseException:
             self._stack.close()

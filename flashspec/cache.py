@@ -200,6 +200,7 @@ class StaticLM:
         embeds: torch.Tensor | None = None,
         head: bool = True,
         first_layer: int = 0,
+        eager: bool = False,
     ) -> torch.Tensor:
         """Feed ``tokens [B, q]`` at positions ``start[b] + j``; logits ``[B, q, V]``, or only the
         columns ``logits_at [B, m]``. ``real`` is accepted for interface parity and ignored:
@@ -213,7 +214,9 @@ class StaticLM:
         output (before the final norm) instead of logits. ``first_layer=n`` with ``embeds``: those
         vectors are the output of the first ``n`` layers at the fed positions (their cache entries
         already written); run layers ``n`` on only (and write ``hidden_out[n]`` with ``embeds``) —
-        the verify forward that reuses a shallow drafter's states (SPEC.md §11)."""
+        the verify forward that reuses a shallow drafter's states (SPEC.md §11). ``eager=True``:
+        not through the compiled forward even when it is short — prefills, whose widths are the
+        prompts' lengths, so that a new short prompt never compiles inside its request (SPEC.md §3)."""
         if first_layer:
             stop = len(self.base.layers) if layers is None else layers
             if isinstance(first_layer, bool) or not isinstance(first_layer, int) or not 0 < first_layer <= stop:
@@ -224,7 +227,7 @@ class StaticLM:
                                  "(the output of the first first_layer layers at the fed positions).")
         started = time.perf_counter()
         width = (tokens if embeds is None else embeds).shape[1]
-        compiled = self._compiled is not None and width <= self.COMPILED_WIDTHS
+        compiled = self._compiled is not None and width <= self.COMPILED_WIDTHS and not eager
         inputs = (self._compiled_inputs if compiled else self._inputs)(tokens, start, embeds)
         if compiled:
             logits = self._compiled(*inputs, logits_at, layers, hidden_out, head, first_layer)
@@ -454,9 +457,11 @@ class CachedLM:
         start: torch.Tensor,
         real: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
+        eager: bool = False,
     ) -> torch.Tensor:
         """Feed ``tokens [B, q]`` as real tokens ``start[b]..`` (where ``real [B, q]`` is 1; rows
-        whose first column is not real are left as they are and get holes)."""
+        whose first column is not real are left as they are and get holes). ``eager`` is
+        accepted for interface parity with :class:`StaticLM` (nothing here is compiled)."""
         real = torch.ones_like(tokens) if real is None else real.long()
         row_feeds = real[:, 0] > 0
         self._keep(torch.where(row_feeds, start.to(self.num_real.device), self.num_real))

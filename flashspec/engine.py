@@ -25,7 +25,7 @@ from .drafters.feature import FeatureDrafter
 from .drafters.shallow import PREFIX as SHALLOW
 from .drafters.shallow import ShallowDrafter
 from .graphs import Graphs
-from .loop import Plan, Workspace, commit_step, decode, workspace_shape
+from .loop import Plan, Workspace, commit_step, decode, stage_drafts, workspace_shape
 from .models import check_causal_lm, eval_mode, load_model, load_tokenizer
 from .parallel import tensor_parallel_of
 from .request import Request, parse_engine_options, parse_request
@@ -59,8 +59,9 @@ class SpeculativeEngine:
         device, dtype: where and in which precision to load models given as paths
             (default: CUDA if available else CPU; bfloat16 on CUDA, float32 on CPU).
         compile: run decode-step forwards of Llama-family models through ``torch.compile``
-            (fuses small kernels; pays off on a GPU after a one-off compilation per shape), and
-            on a GPU the step's bookkeeping after verification too (:func:`commit_step`).
+            (fuses small kernels; pays off on a GPU after a one-off compilation per shape), the
+            proposals of feature drafters too, and on a GPU the step's bookkeeping before and
+            after verification (:func:`stage_drafts`, :func:`commit_step`).
         reuse_shallow: ``True`` — at the steps a ``"shallow:DIR"`` drafter drafts, the target's
             verify forward does not recompute its first ``N`` layers for the positions that drafter
             already fed through them, but starts from its states (LayerSkip-style; SPEC.md §11,
@@ -121,9 +122,10 @@ class SpeculativeEngine:
         # A step's bookkeeping after verification (commit, stop flags, log) is about 25 tiny
         # kernels; compiled, inductor fuses them into a few. Only where the step is replayed as a
         # CUDA graph: elsewhere the compiled function's guards would cost more host time per step.
-        self._commit_step = commit_step
+        self._commit_step, self._stage_drafts = commit_step, stage_drafts
         if self.compile and static_on_gpu:
             self._commit_step = torch.compile(commit_step, dynamic=False)
+            self._stage_drafts = torch.compile(stage_drafts, dynamic=False)
         self._buffers: Workspace | None = None
         # Queue the next step before a poll waits for its read-back, so that the device does not
         # idle while the host reads the log and launches the next graphs (SPEC.md §7). On a CPU
@@ -235,7 +237,7 @@ class SpeculativeEngine:
         head = load_head(folder, self.target, kind)
         name = f"{kind}-{Path(folder).name or 'drafter'}"
         if kind == "feature":
-            return FeatureDrafter(self._target_lm, head, name=name)
+            return FeatureDrafter(self._target_lm, head, name=name, compile=self.compile)
         return ShallowDrafter(self._target_lm, head, name=name, reuse=self.reuse_shallow)
 
     # ------------------------------------------------------------------ generate
@@ -329,6 +331,7 @@ class SpeculativeEngine:
             workspace=self._workspace(workspace_shape(request, gamma, self.target.config.hidden_size,
                                                       self._feature_layers)),
             commit_step=self._commit_step,
+            stage_drafts=self._stage_drafts,
             tp=self._tp,
             queue_ahead=self.queue_ahead,
         )

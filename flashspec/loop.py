@@ -37,7 +37,8 @@ from .stats import GenerationStats, StepRecord
 from .sampling import SamplingParams
 from .verify import VerifyResult, verify
 
-__all__ = ["Plan", "Workspace", "decode", "commit_tokens", "commit_step", "workspace_shape"]
+__all__ = ["Plan", "Workspace", "decode", "commit_tokens", "commit_step", "stage_drafts",
+           "workspace_shape"]
 
 
 def workspace_shape(request: Request, gamma: int, hidden: int = 0,
@@ -122,6 +123,7 @@ class Plan:
     graphs: Graphs
     workspace: Workspace
     commit_step: Callable[..., None]  # commit_step, or its compiled form
+    stage_drafts: Callable[..., None]  # stage_drafts, or its compiled form
     tp: Any  # flashspec.parallel.TensorParallel, or None on one device
     queue_ahead: bool  # queue the next step before a poll waits (CUDA)
 
@@ -218,7 +220,7 @@ class _Run:
         width = self.max_length
         real = (torch.arange(width, device=self.tokens.device) < self.length[:, None]).long()
         logits = self.plan.target.forward(self.tokens[:, :width], zeros, real, logits_at=(self.length - 1)[:, None],
-                                          **self._features)
+                                          eager=True, **self._features)
         finite = torch.isfinite(logits).flatten(1).all(dim=1)
         if not bool(finite.all()):  # the prefill reads back once anyway (its time is measured)
             row = int((~finite).long().argmax())
@@ -274,9 +276,8 @@ class _Run:
         drafter = self.plan.drafters[self.plan.arm_drafters[arm]]
         draft = drafter.propose(history, k, self._draft_params(), self.draft_uniforms[:, :k])
         self._check_draft(drafter, draft, k)
-        outside = (draft.tokens < 0) | (draft.tokens >= self.vocab_size)  # [B, k]
-        note_fault(ws.fault, outside.any(dim=1) & self.active, 3, ws.steps_taken)
-        ws.draft_tokens[:, :k].copy_(draft.tokens.masked_fill(outside, 0))  # never index with them
+        self.plan.stage_drafts(ws.draft_tokens[:, :k], draft.tokens, self.vocab_size, self.active, ws.fault,
+                               ws.steps_taken)
         has_probs = draft.probs is not None
         if has_probs:
             if ws.draft_probs is None:
@@ -372,13 +373,8 @@ class _Run:
         logits = self._score(k, reuse)
         probs = ws.draft_probs[:, :k] if has_probs else None
         result = self._verify(logits, drafts, probs, self.verify_uniforms[:, : k + 1])
-        note_fault(ws.fault, ~torch.isfinite(logits).flatten(1).all(dim=1) & self.active, 1, ws.steps_taken)
-        drawn = result.tokens.gather(1, result.num_accepted[:, None])[:, 0]  # the recovered or bonus token
-        note_fault(ws.fault, (drawn < 0) & self.active, 2, ws.steps_taken)
-        # A faulty draw (-1) is committed as 0, so that steps queued before the poll raises never
-        # index with it (on CUDA, a device-side assert); the call fails at that poll.
         self.plan.commit_step(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos,
-                              result.tokens.clamp(min=0), result.num_accepted, ws.log, ws.steps_taken)
+                              result.tokens, result.num_accepted, ws.log, ws.steps_taken, logits, ws.fault)
 
     def snapshot(self) -> _Snapshot:
         """Start reading the per-step log, the stop flag and the token count back to the host:
@@ -481,14 +477,35 @@ def commit_tokens(
     return take.sum()
 
 
+def stage_drafts(
+    staged: torch.Tensor, drafts: torch.Tensor, vocab_size: int, active: torch.Tensor, fault: torch.Tensor,
+    steps_taken: torch.Tensor,
+) -> None:
+    """Copy a drafter's ``drafts [B, k]`` into the step's buffer ``staged [B, k]``; ids outside
+    ``[0, vocab_size)`` of an active row are noted as fault 3 and staged as 0, so that no kernel
+    ever indexes with them (the call fails at the next poll). Tensor code only; the engine
+    compiles it on a GPU, as :func:`commit_step`."""
+    outside = (drafts < 0) | (drafts >= vocab_size)
+    note_fault(fault, outside.any(dim=1) & active, 3, steps_taken)
+    staged.copy_(drafts.masked_fill(outside, 0))
+
+
 def commit_step(
     tokens: torch.Tensor, length: torch.Tensor, active: torch.Tensor, generated: torch.Tensor,
     max_new_tokens: torch.Tensor, eos: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
-    log: torch.Tensor, steps_taken: torch.Tensor,
+    log: torch.Tensor, steps_taken: torch.Tensor, logits: torch.Tensor, fault: torch.Tensor,
 ) -> None:
-    """A step's bookkeeping after verification: :func:`commit_tokens` for the active rows, then
-    the step's log entry (drafts accepted, rows active, tokens committed) at ``log[steps_taken]``
-    (the last row once the log is full), and ``steps_taken += 1``."""
+    """A step's bookkeeping after verification: its faults first (in ``fault``, for the next
+    poll to raise): target ``logits [B, k + 1, V]`` not finite in an active row (kind 1), a
+    draw that found no mass (kind 2: ``-1`` at the recovered or bonus token's column of
+    ``new_tokens``, committed as 0 so that steps queued before the poll never index with it);
+    then :func:`commit_tokens` for the active rows, the step's log entry (drafts accepted, rows
+    active, tokens committed) at ``log[steps_taken]`` (the last row once the log is full), and
+    ``steps_taken += 1``."""
+    note_fault(fault, ~torch.isfinite(logits).flatten(1).all(dim=1) & active, 1, steps_taken)
+    drawn = new_tokens.gather(1, num_accepted[:, None])[:, 0]  # the recovered or bonus token
+    note_fault(fault, (drawn < 0) & active, 2, steps_taken)
+    new_tokens = new_tokens.clamp(min=0)
     accepted = torch.where(active, num_accepted, 0)
     active_rows = active.sum()
     committed = commit_tokens(tokens, length, active, generated, max_new_tokens, eos, new_tokens, accepted)

@@ -49,3 +49,22 @@ def test_compiled_forward_writes_the_cache_in_place():
     shape = f"({batch}, {kv_heads}, {capacity}, {dim})"
     allocations = [line for line in source.splitlines() if "empty_strided" in line and shape in line]
     assert allocations == []
+
+
+def test_prefills_never_compile_so_a_new_short_prompt_length_compiles_nothing():
+    """Prefills run eagerly even with compile=True (SPEC.md §3): after a first request, requests
+    whose prompts have new lengths of at most 16 tokens (the compiled widths) compile nothing —
+    the target's prefill nor a model drafter's."""
+    from torch._dynamo.utils import counters
+
+    from flashspec import SpeculativeEngine
+
+    target, drafter = tiny_llama(), tiny_llama()
+    engine = SpeculativeEngine(target, [drafter], compile=True, device="cpu")
+    run = dict(max_new_tokens=6, num_draft_tokens=2, eos_token_id=[])
+    engine.generate([[1, 2, 3]], **run)
+    graphs = counters["stats"]["unique_graphs"]
+    for n in (5, 9, 16):
+        out = engine.generate([list(range(1, n + 1))], **run)
+        assert len(out.sequences[0]) == 6
+    assert counters["stats"]["unique_graphs"] == graphs

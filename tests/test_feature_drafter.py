@@ -129,6 +129,27 @@ def test_the_catch_up_window_loses_nothing(target, trained, shallow, kind, monke
     assert sum(a for a, _ in windowed[1]) > 0  # drafts were accepted, so the catch-up was exercised
 
 
+def test_compiled_proposals_draft_what_eager_ones_draft_and_compile_once_per_width(target, trained):
+    """compile=True compiles the window feed and the one-token steps (SPEC.md §11.5): the same
+    drafts (the same output and acceptance, greedy and sampled), and a request with new sampling
+    parameters compiles nothing more (the draws between the compiled parts stay eager)."""
+    from torch._dynamo.utils import counters
+
+    folder, _ = trained
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    engines = [SpeculativeEngine(target, [f"feature:{folder}"], device="cpu", compile=c) for c in (False, True)]
+    assert [e.drafters[0].compiled for e in engines] == [False, True]
+    for i, sampling in enumerate([{}, dict(do_sample=True, temperature=0.7, seed=1),
+                                  dict(do_sample=True, temperature=0.9, top_p=0.8, top_k=9, seed=2)]):
+        graphs = counters["stats"]["unique_graphs"]
+        out = [e.generate(prompts, max_new_tokens=16, num_draft_tokens=3, eos_token_id=[], **sampling)
+               for e in engines]
+        assert out[0].sequences == out[1].sequences
+        assert out[0].stats.accepted == out[1].stats.accepted > 0
+        if i:
+            assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_a_checkpoint_refuses_another_target(trained):
     other = tiny_model("llama", seed=99, vocab_size=64)
     with pytest.raises(ValueError, match="trained for another target"):

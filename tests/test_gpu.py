@@ -108,6 +108,29 @@ def test_graphs_greedy_matches_hf_generate_float32(arch, gamma, drafter):
     assert len(engine._graphs) >= 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("drafter", ["feature", "compact"])
+def test_compiled_feature_proposals_in_graphs_match_hf_generate_float32(arch, drafter):
+    """compile=True compiles a feature drafter's window feed and one-token steps (SPEC.md §11.5);
+    captured in graphs, the output is still the target's, at γ = 1 and 4, replays included."""
+    target = tiny(arch, 0)
+    engine = SpeculativeEngine(target, drafters_for(drafter, target), compile=True)
+    assert engine.drafters[0].compiled
+    expected = [hf_greedy(target, p, 24) for p in PROMPTS]
+    for gamma in (1, 4, 4):
+        assert engine.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=gamma, eos_token_id=[]).sequences == expected
+
+
+@pytest.mark.parametrize("drafter", ["feature", "compact"])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(do_sample=True, temperature=0.7, top_p=0.9)])
+def test_compiled_steps_do_not_synchronise(drafter, params):
+    """With compile=True (compiled target, feature proposals, staging and bookkeeping), a
+    steady-state step still issues no device-to-host synchronisation."""
+    target = tiny("llama", 0, torch.bfloat16)
+    engine = SpeculativeEngine(target, drafters_for(drafter, target, torch.bfloat16), compile=True)
+    assert _steps_without_synchronising(engine, params, gamma=4, steps=8).steps == 11
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_graph_replays_equal_eager_steps(do_sample):
     """Same seed, same tokens with and without CUDA graphs (sampling included)."""
@@ -269,8 +292,8 @@ def test_feature_training_unrolled_in_bf16_on_the_gpu(vocab, tmp_path):
     assert len(out.sequences) == len(plain.sequences) and all(len(s) == 16 for s in out.sequences)
 
 
-@pytest.mark.parametrize("kind", ["feature", "shallow"])
-def test_step_anatomy_of_a_drafter_made_from_the_target(kind, tmp_path):
+@pytest.mark.parametrize("kind,compile", [("feature", False), ("feature", True), ("shallow", False)])
+def test_step_anatomy_of_a_drafter_made_from_the_target(kind, compile, tmp_path):
     """bench gpu's step anatomy with a drafter made from the target: its own forwards (the
     re-fed window and the one-token drafts; a shallow drafter's also run the target's first N
     layers) are timed, and the share outside the forwards is."""
@@ -280,7 +303,7 @@ def test_step_anatomy_of_a_drafter_made_from_the_target(kind, tmp_path):
     prompts = {"random": [p * 4 for p in PROMPTS]}
     checkpoint = feature_checkpoint(target) if kind == "feature" else shallow_checkpoint(target)
     pair = bench_pair("tiny", target, f"{kind}:{checkpoint}", prompts, 1e12, max_new_tokens=24,
-                      gamma=3, compile=False)
+                      gamma=3, compile=compile)
     fwd = pair["forward_seconds"]
     assert {"drafter_1", "drafter_4"} <= set(fwd)
     if kind == "shallow":

@@ -232,6 +232,8 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: the server's (float32 on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode forwards (GPU); each server warms up every compiled shape at start")
     p.add_argument("--out", default="benchmarks/results/serve_cpu", help="folder for serve.json and serve.md")
     p.set_defaults(run=bench_serve)
 
@@ -468,9 +470,9 @@ def bench_serve(args: argparse.Namespace) -> None:
     if args.reference_batch < 1:
         raise ValueError(f"--reference-batch must be >= 1; got {args.reference_batch}.")
     drafts = args.draft or ["ngram"]
-    engine = _engine(args.target, drafts, args.tokenizer, args.device, args.dtype)
+    engine = _engine(args.target, drafts, args.tokenizer, args.device, args.dtype, compile=args.compile)
     results = serve.run(engine, corpus=Path(args.corpus), num_draft_tokens=args.num_draft_tokens, seed=args.seed,
                         reference_batch=args.reference_batch,
-                        config={"target": args.target, "drafts": drafts}, **options)
+                        config={"target": args.target, "drafts": drafts, "compile": args.compile}, **options)
     serve.write(results, args.out)
     print(serve.summarize(results))

@@ -130,20 +130,20 @@ def _drift(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 class _FedForward:
-    """A feature drafter's forward as it runs per draft, for :func:`forward_seconds`: its input
-    projection ``fc([f; e])`` (part of the drafter's network), then its layer and head."""
+    """A feature drafter's forward as it runs per draft, for :func:`forward_seconds`: its network
+    (:meth:`FeatureDrafter.network`: the input projection ``fc([f; e])``, its layer and head),
+    compiled when the drafter's proposals are."""
 
     def __init__(self, drafter: FeatureDrafter) -> None:
         self.drafter, self.model = drafter, drafter.lm.model
+        self._network = torch.compile(drafter.network, dynamic=False) if drafter.compiled else drafter.network
 
     def reset(self, batch: int, capacity: int) -> bool:
         return self.drafter.lm.reset(batch, capacity)
 
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        lm = self.drafter.lm
-        embeddings = lm.base.embed_tokens(tokens)
-        x = self.drafter.head.inputs(torch.zeros_like(embeddings), embeddings)  # a feature's cost, not its value
-        return lm.forward(None, start, embeds=x, **kwargs)
+        features = self.drafter.lm.base.embed_tokens(tokens).zero_()  # a feature's cost, not its value
+        return self._network(tokens, features, start, **kwargs)
 
 
 def bench_pair(

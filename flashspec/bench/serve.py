@@ -486,7 +486,8 @@ def summarize(results: dict[str, Any]) -> str:
     m, c, load, seq, b = (results[k] for k in ("machine", "config", "load", "sequential", "burst"))
     g = results["greedy_check"]
     lines = [f"# `flashspec bench serve` — {m['cpu']}, {m['cores']} cores, {m['device']} {m['dtype']}", "",
-             (f"Target `{c.get('target')}`, drafters {c.get('drafts')}; {c['slots']} slots, max_length "
+             (f"Target `{c.get('target')}`, drafters {c.get('drafts')}, compile {c.get('compile', False)}; "
+              f"{c['slots']} slots, max_length "
               f"{c['max_length']}; prompts: {results['prompt_source']}; start-up {_f(results['startup']['seconds'], 2)} s "
               f"(warm-up {_f(results['startup']['warmup_seconds'], 2)} s)."), "",
              "| check | result |", "|---|---|"]

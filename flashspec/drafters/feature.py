@@ -164,12 +164,17 @@ class FeatureDrafter:
         target: the target behind FlashSpec's static cache (its embedding, norm and head are used).
         head: the trained part, on the target's device and dtype.
         name: the drafter's name in statistics (default ``"feature"``).
+        compile: run a proposal's window feed and its one-token forwards (gathers, input
+            projection, layer, head) through ``torch.compile``, so that inductor fuses their
+            small kernels before the step is captured as a CUDA graph (SPEC.md §11, "compiled
+            proposals"). One compilation per width, none per sampling parameters: the draws
+            between them stay eager.
     """
 
     uses_hidden_states = True  # the engine fills History.hidden
     MIN_WINDOW = 4  # the narrowest re-fed width (a handful of widths means a handful of graphs)
 
-    def __init__(self, target: StaticLM, head: FeatureHead, name: str | None = None) -> None:
+    def __init__(self, target: StaticLM, head: FeatureHead, name: str | None = None, compile: bool = False) -> None:
         if not isinstance(target, StaticLM):
             raise ValueError("A feature drafter needs a target that runs over FlashSpec's static cache "
                              f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
@@ -179,7 +184,10 @@ class FeatureDrafter:
         self.target, self.head = target, head
         self.feature_layer = len(target.base.layers)  # the target's last layer, before its final norm
         self.name = name or "feature"
-        self.lm = StaticLM(head.draft_model(target.model))
+        self.lm = StaticLM(head.draft_model(target.model))  # prefills run it eagerly
+        self.compiled = compile
+        self._feed_step = torch.compile(self._feed, dynamic=False) if compile else self._feed
+        self._next_step = torch.compile(self._next, dynamic=False) if compile else self._next
         subset = self.lm.model.lm_head
         if isinstance(subset, SubsetHead):
             subset.compact = True  # this drafter draws in the draft vocabulary (draw_in_subset)
@@ -270,8 +278,19 @@ class FeatureDrafter:
         window = self._window(history)
         self._fed_through = history.length_bound()
         key = None if first else (window, num_tokens, params)
-        tokens, probs = self._graphs.run(key, lambda: self._draft(history, window, num_tokens, params, uniforms))
+        tokens, probs = self._graphs.run(key, lambda: self._draft(history, window, num_tokens, params, uniforms,
+                                                                  compiled=key is not None))
         return Draft(tokens, probs)
+
+    def network(self, tokens: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
+                logits_at: torch.Tensor | None = None, hidden_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """The drafter's network on pairs: ``fc([f; e(tokens)])`` for ``tokens [B, q]`` and the
+        features ``f [B, q, H]`` before them, then its layer(s), the final norm and the head, at
+        positions ``start[b] + j``; ``hidden_out`` as for :meth:`StaticLM.forward`."""
+        x = self.head.inputs(features, self.lm.base.embed_tokens(tokens))
+        if torch.compiler.is_compiling():  # inside a compiled feed or step: the forward's own code, inlined
+            return self.lm._forward(*self.lm._inputs(None, start, x), logits_at, None, hidden_out)
+        return self.lm.forward(None, start, embeds=x, logits_at=logits_at, hidden_out=hidden_out)
 
     def _feed(self, tokens: torch.Tensor, hidden: torch.Tensor, own: torch.Tensor, start: torch.Tensor, width: int,
               logits_at: torch.Tensor | None) -> torch.Tensor:
@@ -283,17 +302,27 @@ class FeatureDrafter:
         token = tokens.gather(1, index)
         previous = hidden.gather(1, (index - 1).clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
         previous = torch.where((index > 0)[..., None], previous, torch.zeros_like(previous))
-        x = self.head.inputs(previous.to(own.dtype), self.lm.base.embed_tokens(token))
-        return self.lm.forward(None, start, embeds=x, logits_at=logits_at, hidden_out={len(self.head.layers): own})
+        return self.network(token, previous.to(own.dtype), start, logits_at, {len(self.head.layers): own})
+
+    def _next(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The logits after draft ``token [B]`` at ``position [B]``: fed with the drafter's own
+        predicted feature at the position before it."""
+        at = (position - 1).clamp(max=self._features.shape[1] - 1)
+        feature = self._features.gather(1, at[:, None, None].expand(-1, 1, self._features.shape[-1]))
+        return self.network(token[:, None], feature, position, hidden_out=self._own)[:, 0]
 
     def _draft(self, history: History, window: int, num_tokens: int, params: SamplingParams,
-               uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pure tensor code (no host reads), so it can be captured as a graph."""
+               uniforms: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pure tensor code (no host reads), so it can be captured as a graph. ``compiled``: the
+        feed and the steps through their compiled forms (at a graph key's few widths only: a
+        first window spans the whole prompt)."""
+        feed, step = (self._feed_step, self._next_step) if compiled else (self._feed, self._next)
+        if window > StaticLM.COMPILED_WIDTHS:
+            feed = self._feed
         length = history.length
         start = (length - window).clamp(min=0)
-        logits = self._feed(history.tokens, history.hidden[self.feature_layer], self._features, start, window,
-                            (length - 1 - start)[:, None])[:, 0]
-        hidden = self._features.shape[-1]
+        logits = feed(history.tokens, history.hidden[self.feature_layer], self._features, start, window,
+                      (length - 1 - start)[:, None])[:, 0]
         drafted, laws = [], []
         subset = self._subset
         for i in range(num_tokens):
@@ -305,9 +334,6 @@ class FeatureDrafter:
                 laws.append(q)
             drafted.append(token)
             if i + 1 < num_tokens:
-                at = (length - 1 + i).clamp(max=self._features.shape[1] - 1)
-                feature = self._features.gather(1, at[:, None, None].expand(-1, 1, hidden))  # predicted f at t
-                x = self.head.inputs(feature, self.lm.base.embed_tokens(token[:, None]))
-                logits = self.lm.forward(None, length + i, embeds=x, hidden_out=self._own)[:, 0]
+                logits = step(token, length + i)
         probs = torch.stack(laws, dim=1) if laws else None
         return torch.stack(drafted, dim=1), probs

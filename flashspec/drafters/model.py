@@ -59,7 +59,7 @@ class ModelDrafter:
         index = torch.arange(bound, device=length.device)
         real = index[None, :] < length[:, None]
         zeros = torch.zeros_like(length)
-        self._lm.forward(tokens[:, :bound], zeros, real, logits_at=(length - 1).clamp(min=0)[:, None])
+        self._lm.forward(tokens[:, :bound], zeros, real, logits_at=(length - 1).clamp(min=0)[:, None], eager=True)
         self._seen_through = bound  # the first proposal re-feeds the last 2 tokens, as every step does
 
     def prefill_row(self, history: History, row: int) -> None:
@@ -73,7 +73,7 @@ class ModelDrafter:
         width = int(length)
         with self._lm.only_row(row):
             self._lm.forward(history.tokens[row : row + 1, :width], torch.zeros_like(length), None,
-                             logits_at=(length - 1)[:, None])
+                             logits_at=(length - 1)[:, None], eager=True)
         if self._seen_through is None:  # no proposal yet: every row in the batch was fed at its join
             self._seen_through = history.length_bound()
         # Otherwise leave it: the other rows' tokens gained since this drafter's last proposal

@@ -39,8 +39,10 @@ class Server:
 
 def build(engine: Any, *, model_name: str = "flashspec", slots: int = 8, max_length: int | None = None,
           max_queue: int = 64, max_prefill_tokens: int = 2048, num_draft_tokens: int = 4,
-          default_max_tokens: int = 256, warmup_lengths: tuple[int, ...] = (1,)) -> tuple[Any, Any]:
-    """The started scheduler (batch open, warmed up) and the ASGI app over it."""
+          default_max_tokens: int = 256, warmup_lengths: tuple[int, ...] | None = None) -> tuple[Any, Any]:
+    """The started scheduler (batch open, warmed up) and the ASGI app over it. ``warmup_lengths``:
+    the prompt lengths the warm-up prefills (default: every compiled width, 1 … 16, when the engine
+    compiles — the Triton kernels of short forwards specialise per width; else one)."""
     try:
         from .app import create_app
         from .metrics import Metrics
@@ -52,6 +54,10 @@ def build(engine: Any, *, model_name: str = "flashspec", slots: int = 8, max_len
     for name, value, low in (("max_queue", max_queue, 0), ("max_prefill_tokens", max_prefill_tokens, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}; got {value!r}.")
+    if warmup_lengths is None:
+        from ..cache import StaticLM
+
+        warmup_lengths = tuple(range(1, StaticLM.COMPILED_WIDTHS + 1)) if engine.compile else (1,)
     metrics = Metrics()
     scheduler = Scheduler(engine, metrics, slots=slots, max_length=max_length, max_queue=max_queue,
                           max_prefill_tokens=max_prefill_tokens, num_draft_tokens=num_draft_tokens,
@@ -154,11 +160,9 @@ def _run(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     engine = SpeculativeEngine(args.target, args.draft, selector=args.selector, tokenizer=args.tokenizer,
                                device=args.device, dtype=args.dtype, compile=args.compile)
-    warm = tuple(range(1, 17)) if args.compile else (1,)  # compiled forwards: one shape per width <= 16
     scheduler, app = build(engine, model_name=args.model_name or str(args.target).rstrip("/").split("/")[-1],
                            slots=args.max_batch, max_length=args.max_length, max_queue=args.max_queue,
-                           max_prefill_tokens=args.max_prefill_tokens, num_draft_tokens=args.num_draft_tokens,
-                           warmup_lengths=warm)
+                           max_prefill_tokens=args.max_prefill_tokens, num_draft_tokens=args.num_draft_tokens)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
 
     def ready() -> None:  # once uvicorn listens: warm its HTTP path, then say so
