@@ -150,6 +150,23 @@ def test_compiled_proposals_draft_what_eager_ones_draft_and_compile_once_per_wid
             assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_proposals_run_in_inference_mode_even_outside_generate(target, trained):
+    """A compiled proposal traced with autograd on would need a backward for the decode kernels,
+    which have none (seen on the H200 when a step ran outside generate): propose runs in
+    inference mode whoever calls it."""
+    from flashspec.drafters import History
+    from flashspec.sampling import SamplingParams
+
+    folder, _ = trained
+    engine = SpeculativeEngine(target, [f"feature:{folder}"], device="cpu", compile=True)
+    engine.generate([[1, 2, 3, 4]], max_new_tokens=4, eos_token_id=[])  # fills its features
+    drafter, ws = engine.drafters[0], engine._buffers
+    assert not torch.is_inference_mode_enabled()
+    history = History(ws.tokens, ws.length, ws.active, int(ws.length.max()), ws.hidden)
+    draft = drafter.propose(history, 3, SamplingParams(), torch.rand(1, 3, dtype=torch.float64))
+    assert draft.tokens.shape == (1, 3) and draft.tokens.is_inference()
+
+
 def test_a_checkpoint_refuses_another_target(trained):
     other = tiny_model("llama", seed=99, vocab_size=64)
     with pytest.raises(ValueError, match="trained for another target"):

@@ -141,6 +141,7 @@ class _FedForward:
     def reset(self, batch: int, capacity: int) -> bool:
         return self.drafter.lm.reset(batch, capacity)
 
+    @torch.inference_mode()  # as the drafter's proposals (the decode kernels have no backward)
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         features = self.drafter.lm.base.embed_tokens(tokens).zero_()  # a feature's cost, not its value
         return self._network(tokens, features, start, **kwargs)

@@ -264,6 +264,7 @@ class FeatureDrafter:
         unseen = max(1, bound - self._fed_through + 1)
         return min(bound, max(self.MIN_WINDOW, 1 << (unseen - 1).bit_length()))
 
+    @torch.inference_mode()  # also when called outside generate: a compiled proposal must not trace autograd
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
         self._check(history)
         first = self._fed_through is None
