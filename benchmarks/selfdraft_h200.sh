@@ -14,7 +14,7 @@
 #      deltas beside the acceptance bench (which times nothing that is reported);
 #   3. acceptance per drafter × γ × domain × style (`flashspec bench acceptance`);
 #   4. the step anatomy of the feature and shallow drafters (`flashspec bench gpu`);
-#   5. end to end, batch 1 and 8, greedy and T = 0.7, 256 new tokens (`flashspec bench e2e`);
+#   5. end to end, batch 8 and 1, greedy and T = 0.7, 256 new tokens (`flashspec bench e2e`);
 #   6. with COMPARE=1: the session-13 comparisons at equal steps (one pass without the feature
 #      loss, corpus text only, full width) against the same design trained as long.
 # Expects /tmp/models/{target,draft}.gguf (joined from `split -b` pieces (size: BENCHMARKS.md "How the H200 runs were made")), the gguf wheel in
@@ -137,14 +137,15 @@ gpu="bench gpu --target $T --corpus $C --shaped= --no-kernels --no-maps --no-hf 
 e2e="bench e2e --target $T --corpus $C --device cuda --dtype bfloat16 --compile --systems flashspec,flashspec-fixed
      --gammas 4 --regimes long --style chat --no-progress"
 feat=$(have feature:general feature:code feature:prose feature:chat)
-run e2e_b1_t0 fs $e2e --draft /tmp/hf/draft $main --batch-sizes 1 --prompts-per-domain ${B1_PROMPTS:-3} \
-    --temperature 0 --out $out/e2e_b1_t0
-run e2e_b1_t0.7 fs $e2e --draft /tmp/hf/draft $feat --batch-sizes 1 --prompts-per-domain ${B1_PROMPTS:-3} \
-    --temperature 0.7 --out $out/e2e_b1_t0.7
+# Batch 8 first (session 15 ran out before it; batch 1 of the same code is in selfdraft_h200_s15/).
 few="--draft /tmp/hf/draft $(have feature:general)"
 for t in 0 0.7; do
   run "e2e_b8_t$t" fs $e2e $few --batch-sizes 8 --prompts-per-domain 8 --temperature $t --out $out/e2e_b8_t$t
 done
+run e2e_b1_t0 fs $e2e --draft /tmp/hf/draft $main --batch-sizes 1 --prompts-per-domain ${B1_PROMPTS:-3} \
+    --temperature 0 --out $out/e2e_b1_t0
+run e2e_b1_t0.7 fs $e2e --draft /tmp/hf/draft $feat --batch-sizes 1 --prompts-per-domain ${B1_PROMPTS:-3} \
+    --temperature 0.7 --out $out/e2e_b1_t0.7
 
 if [ "${COMPARE:-0}" = 1 ]; then  # session 13's comparisons (BENCHMARKS.md "What each choice is worth")
   S=${COMPARE_STEPS:-300}
