@@ -131,6 +131,33 @@ def test_compiled_steps_do_not_synchronise(drafter, params):
     assert _steps_without_synchronising(engine, params, gamma=4, steps=8).steps == 11
 
 
+@pytest.mark.parametrize("drafter", ["model", "ngram", "feature"])
+def test_a_compiled_batch_on_cuda_equals_generate_and_compiles_nothing_after_its_warm_up(drafter):
+    """Continuous batching on CUDA with compile=True (SPEC.md §12; the server's path): after the
+    warm-up, requests of new prompt lengths (short ones the compiled forward would have taken,
+    long ones) join and leave a running batch, each equals ``model.generate`` (float32, greedy),
+    and nothing more is compiled (issue 21: no request pays for compilation)."""
+    from torch._dynamo.utils import counters
+
+    target = tiny("llama", 0)
+    engine = SpeculativeEngine(target, drafters_for(drafter, target), compile=True)
+    prompts = [[(5 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((3, 7, 13, 16, 29, 61))]
+    with engine.batch(slots=3, max_length=128) as batch:
+        batch.warmup(range(1, 17))
+        graphs = counters["stats"]["unique_graphs"]
+        got, names, pending = {}, {}, list(range(len(prompts)))
+        while pending or batch.running:
+            if pending and batch.free_slots:
+                i = pending.pop(0)
+                handle = batch.add(prompts[i], max_new_tokens=12)
+                names[handle], got[handle] = i, []
+            for update in batch.step():
+                got[update.handle] += update.tokens
+        assert counters["stats"]["unique_graphs"] == graphs
+    for handle, i in names.items():
+        assert got[handle] == hf_greedy(target, prompts[i], 12), i
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_graph_replays_equal_eager_steps(do_sample):
     """Same seed, same tokens with and without CUDA graphs (sampling included)."""

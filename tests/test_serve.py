@@ -57,6 +57,30 @@ def test_rows_joining_and_leaving_match_generate(drafter):
     assert engine.generate([prompts[0]], max_new_tokens=5).sequences[0] == expected[0][:5]  # usable again
 
 
+def test_after_its_warm_up_a_compiled_batch_compiles_nothing_for_requests_of_new_lengths():
+    """compile=True (SPEC.md §3, §12): the warm-up compiles the step's shapes; requests whose
+    prompt lengths it never saw (short ones within the compiled widths, and longer ones) then
+    compile nothing — prefills run eagerly — and still equal their own ``generate``."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_model("llama", seed=0)
+    engine = SpeculativeEngine(target, [noisy_copy(target, 0.05, seed=1), "ngram"], compile=True, device="cpu")
+    prompts = [[(3 * i + j) % 128 for j in range(n)] for i, n in enumerate((5, 9, 14, 23))]
+    expected = [engine.generate([p], max_new_tokens=6).sequences[0] for p in prompts]
+    with engine.batch(slots=2, max_length=64) as batch:
+        batch.warmup([1])
+        graphs = counters["stats"]["unique_graphs"]
+        got = {}
+        for i, prompt in enumerate(prompts):
+            handle = batch.add(prompt, max_new_tokens=6)
+            got[handle] = [i, []]
+            while batch.running:
+                for u in batch.step():
+                    got[u.handle][1] += u.tokens
+        assert counters["stats"]["unique_graphs"] == graphs
+    assert all(tokens == expected[i] for i, tokens in got.values())
+
+
 def test_flush_hands_out_a_joining_requests_first_token_at_once():
     """``Batch.flush`` after ``add`` hands out the token drawn at the join (no step runs), ends a
     request that finished there, and changes nothing that the following steps hand out."""
