@@ -22,6 +22,7 @@
 # Usage: bash benchmarks/selfdraft_h200.sh OUTDIR   (prints "== done" at the end; "== trained"
 # when the checkpoints to keep are in OUTDIR/keep.tar)
 # GENERAL_MINUTES, DELTA_MINUTES, COMPARE_STEPS, DISTILL_COUNT, ACC_PROMPTS and B1_PROMPTS shrink it;
+# GAMMAS=2,4 runs the end-to-end arms at those draft lengths (default 4);
 # TRAIN=0 measures the committed feature drafters as they are (only the shallow ones train);
 # SHALLOW=0 leaves the shallow drafters out (no training, no rows); ACCEPTANCE=0 skips stage 3
 # (the committed drafters' acceptance was measured in an earlier run: it does not depend on speed);
@@ -135,7 +136,7 @@ gpu="bench gpu --target $T --corpus $C --shaped= --no-kernels --no-maps --no-hf 
 [ -f "$ck/shallow/drafter.json" ] && run gpu_shallow fs $gpu --draft shallow:$ck/shallow --out $out/gpu_shallow
 
 e2e="bench e2e --target $T --corpus $C --device cuda --dtype bfloat16 --compile --systems flashspec,flashspec-fixed
-     --gammas 4 --regimes long --style chat --no-progress"
+     --gammas ${GAMMAS:-4} --regimes long --style chat --no-progress"
 feat=$(have feature:general feature:code feature:prose feature:chat)
 # Batch 8 first (session 15 ran out before it; batch 1 of the same code is in selfdraft_h200_s15/).
 few="--draft /tmp/hf/draft $(have feature:general)"
