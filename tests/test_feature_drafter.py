@@ -150,6 +150,29 @@ def test_compiled_proposals_draft_what_eager_ones_draft_and_compile_once_per_wid
             assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_the_first_compiled_proposal_compiles_every_window_width(target, trained):
+    """A later proposal's catch-up window (4, 8 or 16 positions) never compiles inside a request:
+    the first compiled proposal of a shape compiled them all (SPEC.md §11, compiled proposals)."""
+    from torch._dynamo.utils import counters
+
+    from flashspec.drafters import History
+    from flashspec.sampling import SamplingParams
+
+    folder, _ = trained
+    engine = SpeculativeEngine(target, [f"feature:{folder}"], device="cpu", compile=True)
+    engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]], max_new_tokens=8,
+                    num_draft_tokens=4, eos_token_id=[])
+    drafter, ws = engine.drafters[0], engine._buffers
+    history = History(ws.tokens, ws.length, ws.active, int(ws.length.max()), ws.hidden)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for window in (4, 16, 8):
+            tokens, _ = drafter._draft(history, window, 4, SamplingParams(), torch.rand(1, 4, dtype=torch.float64),
+                                       compiled=True)
+            assert tokens.shape == (1, 4)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_proposals_run_in_inference_mode_even_outside_generate(target, trained):
     """A compiled proposal traced with autograd on would need a backward for the decode kernels,
     which have none (seen on the H200 when a step ran outside generate): propose runs in

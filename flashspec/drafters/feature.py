@@ -173,6 +173,9 @@ class FeatureDrafter:
 
     uses_hidden_states = True  # the engine fills History.hidden
     MIN_WINDOW = 4  # the narrowest re-fed width (a handful of widths means a handful of graphs)
+    # The widths _window returns that run compiled (powers of two from MIN_WINDOW, up to
+    # StaticLM.COMPILED_WIDTHS), all compiled at the first compiled proposal of a shape.
+    COMPILED_WINDOWS = (4, 8, 16)
 
     def __init__(self, target: StaticLM, head: FeatureHead, name: str | None = None, compile: bool = False) -> None:
         if not isinstance(target, StaticLM):
@@ -188,6 +191,7 @@ class FeatureDrafter:
         self.compiled = compile
         self._feed_step = torch.compile(self._feed, dynamic=False) if compile else self._feed
         self._next_step = torch.compile(self._next, dynamic=False) if compile else self._next
+        self._warm_shape: tuple[int, ...] | None = None  # the history shape every window width was compiled for
         subset = self.lm.model.lm_head
         if isinstance(subset, SubsetHead):
             subset.compact = True  # this drafter draws in the draft vocabulary (draw_in_subset)
@@ -320,10 +324,20 @@ class FeatureDrafter:
         feed, step = (self._feed_step, self._next_step) if compiled else (self._feed, self._next)
         if window > StaticLM.COMPILED_WIDTHS:
             feed = self._feed
-        length = history.length
+        length, tokens, hidden = history.length, history.tokens, history.hidden[self.feature_layer]
+        if compiled and self.compiled and self._warm_shape != tuple(tokens.shape):
+            # Compile every window width a later proposal may take now, at the first compiled
+            # proposal of this shape (a warm-up's), not inside a later request (SPEC.md §11,
+            # compiled proposals). Re-feeding committed positions writes what a feed of them wrote
+            # (up to a width's rounding: acceptance only); entries past them are rewritten before
+            # they are read, and the feed below rewrites the last `window` positions anyway.
+            self._warm_shape = tuple(tokens.shape)
+            for width in self.COMPILED_WINDOWS:
+                if width != window:
+                    begin = (length - width).clamp(min=0)
+                    self._feed_step(tokens, hidden, self._features, begin, width, (length - 1 - begin)[:, None])
         start = (length - window).clamp(min=0)
-        logits = feed(history.tokens, history.hidden[self.feature_layer], self._features, start, window,
-                      (length - 1 - start)[:, None])[:, 0]
+        logits = feed(tokens, hidden, self._features, start, window, (length - 1 - start)[:, None])[:, 0]
         drafted, laws = [], []
         subset = self._subset
         for i in range(num_tokens):
