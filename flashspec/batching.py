@@ -119,19 +119,31 @@ class _BatchRun(_Run):
         self.polled = 0
         self.generated_total = 0
         self.rows: list[_Row | None] = [None] * self.batch
-        self._groups: list[tuple[SamplingParams, torch.Tensor]] = []
+        # The distinct sampling parameters of the occupied slots, and which slots use each
+        # (masks [S] bool, one buffer row per parameter set, filled in place so that a captured
+        # step reads them: the graph key is the list of parameters, not the slots, SPEC.md §12).
+        self.param_sets: tuple[SamplingParams, ...] = ()
+        self._masks = torch.zeros(self.batch, self.batch, dtype=torch.bool, device=device)
         for drafter in plan.drafters:
             drafter.begin(self.batch)
 
     # ------------------------------------------------------------------ per-row sampling
     def regroup(self) -> None:
-        """Rows by sampling parameters (host side; after every admission and departure)."""
+        """Rows by sampling parameters (after every admission and departure): the parameter
+        sets in a canonical order, and each set's slots in ``_masks``."""
         groups: dict[SamplingParams, list[int]] = {}
         for b, row in enumerate(self.rows):
             if row is not None:
                 groups.setdefault(row.params, []).append(b)
-        device = self.ws.tokens.device
-        self._groups = [(p, torch.tensor(rows, device=device)) for p, rows in groups.items()]
+        self.param_sets = tuple(sorted(groups, key=repr))
+        masks = torch.zeros_like(self._masks, device="cpu")
+        for g, params in enumerate(self.param_sets):
+            masks[g, groups[params]] = True
+        self._masks.copy_(masks)
+
+    def graph_key(self, k: int, has_probs: bool, reuse: int | None) -> tuple:
+        """Steps replay one graph per draft length and parameter sets (whichever slots use them)."""
+        return k, has_probs, self.param_sets, reuse
 
     def _draw_random(self) -> None:
         """Each occupied row's random numbers from its own generator (SPEC.md §12)."""
@@ -142,17 +154,21 @@ class _BatchRun(_Run):
     def _draft_params(self) -> SamplingParams:
         """The rows' parameters when they all agree, else greedy drafts (deterministic proposals,
         verified with a one-hot ``q``: exact for every row, SPEC.md §2)."""
-        return self._groups[0][0] if len(self._groups) == 1 else GREEDY
+        return self.param_sets[0] if len(self.param_sets) == 1 else GREEDY
 
     def _verify(self, logits: torch.Tensor, drafts: torch.Tensor, probs: torch.Tensor | None,
                 uniforms: torch.Tensor) -> VerifyResult:
-        """Verify each group of rows with its own parameters; free slots accept nothing."""
+        """Verify every row with each parameter set and keep, per row, the result of its own
+        set (``_masks``; SPEC.md §12): row ``b``'s result reads only its own logits, drafts,
+        ``q`` and uniforms, so the other sets' results for it are simply not used. Free slots
+        accept nothing (their commit is skipped anyway: inactive)."""
         num_accepted = torch.zeros(self.batch, dtype=torch.long, device=logits.device)
         tokens = torch.zeros(self.batch, drafts.shape[1] + 1, dtype=torch.long, device=logits.device)
-        for params, rows in self._groups:
-            part = verify(logits[rows], drafts[rows], None if probs is None else probs[rows], params, uniforms[rows])
-            num_accepted.index_copy_(0, rows, part.num_accepted)
-            tokens.index_copy_(0, rows, part.tokens)
+        for g, params in enumerate(self.param_sets):
+            part = verify(logits, drafts, probs, params, uniforms)
+            mask = self._masks[g]
+            num_accepted = torch.where(mask, part.num_accepted, num_accepted)
+            tokens = torch.where(mask[:, None], part.tokens, tokens)
         return VerifyResult(num_accepted, tokens)
 
     # ------------------------------------------------------------------ rows joining
@@ -230,6 +246,10 @@ class Batch:
     arms that have none of their own.
     """
 
+    # Captured steps kept at once (one per draft length and set of sampling parameters in the
+    # batch); past it every graph is dropped and captured again as the sets recur.
+    GRAPHS = 32
+
     def __init__(self, engine: Any, *, slots: int = 8, max_length: int | None = None,
                  num_draft_tokens: int = 4, eos_token_id: Any = None) -> None:
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024:
@@ -276,7 +296,8 @@ class Batch:
                     per_arm={engine.arm_label(a, num_draft_tokens): DrafterStats() for a in range(len(engine.arms))})
                 plan = Plan(target=engine._target_lm, drafters=engine.drafters, arm_drafters=[d for d, _ in engine.arms],
                             arm_gammas=gammas, labels=[engine.arm_label(a, num_draft_tokens) for a in range(len(engine.arms))],
-                            selector=engine.selection.for_request(None), graphs=Graphs(enabled=False),
+                            selector=engine.selection.for_request(None),
+                            graphs=Graphs(enabled=engine._graphs.enabled, limit=self.GRAPHS),
                             workspace=workspace, commit_step=engine._commit_step,
                             stage_drafts=engine._stage_drafts, tp=None, queue_ahead=False)
                 self._run = _BatchRun(plan, self.stats, eos, max_length)
@@ -435,7 +456,9 @@ class Batch:
                 k = 0 if arm is None else run.plan.arm_gammas[arm]
                 run.ws.max_new_tokens.copy_(saved)
                 has_probs = run._propose(arm, k)
-                run._score_verify_commit(k, has_probs, run.states_layer)
+                reuse = run.states_layer
+                run.plan.graphs.run(run.graph_key(k, has_probs, reuse),  # captured here, on CUDA
+                                    lambda: run._score_verify_commit(k, has_probs, reuse))
                 run.ws.length[self._slot_of[handle]] = width + 1  # forget what the step committed
                 run.ws.generated[self._slot_of[handle]] = 1
                 run.ws.active[self._slot_of[handle]] = True

@@ -23,10 +23,12 @@ __all__ = ["Graphs"]
 
 
 class Graphs:
-    """Capture-on-second-use CUDA graphs keyed by the caller; plain calls when disabled."""
+    """Capture-on-second-use CUDA graphs keyed by the caller; plain calls when disabled.
+    ``limit``: the most graphs kept (None: no bound); a capture past it drops every graph."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, limit: int | None = None) -> None:
         self.enabled = enabled
+        self.limit = limit  # at most this many graphs: a capture past it drops them all first
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool = torch.cuda.graph_pool_handle() if enabled else None
 
@@ -43,6 +45,8 @@ class Graphs:
             graph, outputs = entry
             graph.replay()
             return outputs
+        if self.limit is not None and len(self._graphs) >= self.limit:
+            self.clear()
         result = fn()  # the real work of this call, eagerly; warms up kernels and libraries
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):

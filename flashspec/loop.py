@@ -245,10 +245,15 @@ class _Run:
         arm, k = self._select()
         has_probs = self._propose(arm, k)
         reuse = self.states_layer
-        self.plan.graphs.run((k, has_probs, self.params, reuse), lambda: self._score_verify_commit(k, has_probs, reuse))
+        self.plan.graphs.run(self.graph_key(k, has_probs, reuse), lambda: self._score_verify_commit(k, has_probs, reuse))
         self.chosen.append(arm)
         self.proposed.append(k)
         self.max_length = min(self.max_length + k + 1, self.length_limit)
+
+    def graph_key(self, k: int, has_probs: bool, reuse: int | None) -> tuple:
+        """The key of this step's score-verify-commit graph: what the captured work depends on
+        besides the workspace's tensors (SPEC.md §7)."""
+        return k, has_probs, self.params, reuse
 
     def _select(self) -> tuple[int | None, int]:
         """The arm of this step and its draft length (no arm, 0 drafts: target-only)."""

@@ -158,6 +158,46 @@ def test_a_compiled_batch_on_cuda_equals_generate_and_compiles_nothing_after_its
         assert got[handle] == hf_greedy(target, prompts[i], 12), i
 
 
+def test_a_batch_replays_its_steps_as_graphs_and_equals_the_same_batch_run_eagerly():
+    """A batch's steps are captured per (γ, sets of sampling parameters), whichever slots use
+    them (SPEC.md §12): greedy and seeded sampled rows (two sets) joining and leaving give, from
+    graph replays, the tokens of the same batch run without graphs; greedy rows equal
+    ``model.generate``; a bounded Graphs drops its graphs past its limit and captures again."""
+    from flashspec.graphs import Graphs
+
+    target, draft = tiny("llama", 0), tiny("llama", 1)
+    prompts = [[(3 * i + j) % 90 + 1 for j in range(4 + 3 * i)] for i in range(6)]
+
+    def run(graphs: bool):
+        engine = SpeculativeEngine(target, [draft])
+        out = {}
+        with engine.batch(slots=3, max_length=128) as batch:
+            batch._run.plan.graphs.enabled = graphs
+            batch.warmup([1])
+            names, pending = {}, list(range(len(prompts)))
+            while pending or batch.running:
+                if pending and batch.free_slots:
+                    i = pending.pop(0)
+                    sampling = {} if i % 2 == 0 else dict(do_sample=True, temperature=0.8, top_k=20, seed=i)
+                    names[batch.add(prompts[i], max_new_tokens=14, **sampling)] = i
+                    out[i] = []
+                for update in batch.step():
+                    out[names[update.handle]] += update.tokens
+            captured = len(batch._run.plan.graphs)
+        return out, captured
+
+    graphed, captured = run(True)
+    eager, _ = run(False)
+    assert graphed == eager and captured >= 2
+    for i in range(0, len(prompts), 2):
+        assert graphed[i] == hf_greedy(target, prompts[i], 14)
+    bounded = Graphs(enabled=True, limit=2)
+    x = torch.zeros(4, device="cuda")
+    for key in ("a", "b", "c"):
+        bounded.run(key, lambda: x.add_(1))
+    assert len(bounded) == 1 and float(x[0]) == 3
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_graph_replays_equal_eager_steps(do_sample):
     """Same seed, same tokens with and without CUDA graphs (sampling included)."""
