@@ -200,3 +200,40 @@ def test_sampled_rows_with_a_feature_drafter_in_a_batch_have_the_targets_law():
     assert 0.0 < batch.stats.acceptance_rate < 1.0  # both the accept and the reject paths ran
     pvalue = chi_square_pvalue(samples, exact_law(0.8, 5, 0.9))
     assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: a batched row's law differs from the target's"
+
+
+@pytest.mark.parametrize("gamma", [1, 2])
+def test_sampled_rows_beside_greedy_rows_have_the_targets_law(gamma):
+    """χ² (SPEC.md §6, §12) with two parameter sets in the batch: sampled rows (T = 0.8, top-k,
+    top-p) share it with greedy rows, so every row is verified with both sets and keeps its own
+    set's result (the masks), and drafts are greedy (one-hot q != p). The sampled rows keep the
+    target's law; every greedy row is the target's greedy continuation."""
+    from test_distribution import ALPHA, BATCH_SAMPLES, FEATURE, PROMPT, TARGET, chi_square_pvalue, exact_law
+
+    engine = SpeculativeEngine(TARGET, [f"feature:{FEATURE}"], device="cpu")
+    greedy = engine.generate([PROMPT], max_new_tokens=3, eos_token_id=[]).sequences[0]
+    samples, greedy_rows = [], []
+    torch.manual_seed(0)
+    with engine.batch(slots=24, max_length=32, num_draft_tokens=gamma, eos_token_id=[]) as batch:
+        tokens: dict[int, list[int]] = {}
+        sampled: set[int] = set()
+        turn = 0
+        while len(samples) < BATCH_SAMPLES:
+            for _ in range(batch.free_slots):
+                turn += 1
+                if turn % 2:
+                    h = batch.add(PROMPT, max_new_tokens=3, do_sample=True, temperature=0.8, top_k=5, top_p=0.9)
+                    sampled.add(h)
+                else:
+                    h = batch.add(PROMPT, max_new_tokens=3)
+                tokens[h] = []
+            assert len(batch._run.param_sets) == 2
+            for update in batch.step():
+                tokens[update.handle].extend(update.tokens)
+                if update.finished:
+                    (samples if update.handle in sampled else greedy_rows).append(tokens.pop(update.handle))
+    assert greedy_rows and all(row == greedy for row in greedy_rows)
+    samples = np.array(samples[:BATCH_SAMPLES])
+    assert 0.0 < batch.stats.acceptance_rate < 1.0
+    pvalue = chi_square_pvalue(samples, exact_law(0.8, 5, 0.9))
+    assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: a sampled row beside greedy rows lost the target's law"
