@@ -26,7 +26,8 @@
 # TRAIN=0 measures the committed feature drafters as they are (only the shallow ones train);
 # SHALLOW=0 leaves the shallow drafters out (no training, no rows); ACCEPTANCE=0 skips stage 3
 # (the committed drafters' acceptance was measured in an earlier run: it does not depend on speed);
-# DISTILLED=FILE unpacks an earlier run's distilled.tar.xz instead of distilling again.
+# DISTILLED=FILE unpacks an earlier run's distilled.tar.xz instead of distilling again (with
+# TRAIN=0 SHALLOW=0 nothing trains, and nothing is distilled).
 set -uo pipefail
 out=${1:?usage: selfdraft_h200.sh OUTDIR}
 begun=$(date +%s)
@@ -70,6 +71,8 @@ have() { local list=(); for d in "$@"; do [ -f "$ck/${d#*:}/drafter.json" ] && l
 
 if [ -n "${DISTILLED:-}" ]; then  # a carried distilled.tar.xz of an earlier run: the same data, no GPU time
   tar xJf "$DISTILLED" -C /tmp/data; stamp "distilled data from $DISTILLED"
+elif [ "${TRAIN:-1}" = 0 ] && [ "${SHALLOW:-1}" = 0 ]; then
+  stamp "nothing trains: no distilled data"
 else
   for d in code prose chat; do
     run "distill_$d" fs distill --target $T --corpus $C --domain $d --style chat --count ${DISTILL_COUNT:-768} \
