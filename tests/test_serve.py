@@ -15,8 +15,8 @@ from chat_tokenizer import save_tiny_chat_pair
 from tiny_models import noisy_copy, tiny_model
 
 from flashspec import SpeculativeEngine
-from flashspec.batching import BatchFull
-from flashspec.serve import start_server
+from flashspec.batching import Batch, BatchFull
+from flashspec.serve import build, default_warmup_lengths, start_server
 
 PROMPTS = ["Hello world", "def f(x):", "a", "The quick brown fox jumps", "0123456789" * 3, "zz top"]
 
@@ -328,6 +328,94 @@ def test_start_up_warms_the_http_path_and_the_metrics_count_no_request_of_it():
         assert _metric(server, 'flashspec_requests_total{outcome="ok"}') == 1
     finally:
         server.stop()
+
+
+SHORT = tuple(range(1, 17))  # the compiled widths (StaticLM.COMPILED_WIDTHS = 16)
+HALVES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072)
+
+
+@pytest.mark.parametrize("device, compile, max_length, expected", [
+    ("cpu", False, 2, (1,)), ("cpu", False, 500, (1,)), ("cpu", False, 4096, (1,)),
+    ("cpu", True, 4, (1, 2)), ("cpu", True, 18, SHORT), ("cpu", True, 500, SHORT), ("cpu", True, 4096, SHORT),
+    ("cuda", False, 2, (1,)), ("cuda", True, 2, (1,)),
+    ("cuda", False, 4, (1, 2)), ("cuda", True, 4, (1, 2)),
+    ("cuda", False, 18, (1, 2, 3, 4, 6, 8, 12, 16)), ("cuda", True, 18, SHORT),
+    ("cuda", True, 20, SHORT + (18,)),
+    ("cuda", True, 130, SHORT + (24, 32, 48, 64, 96, 128)),
+    ("cuda", True, 131, SHORT + (24, 32, 48, 64, 96, 128, 129)),
+    ("cuda", False, 500, (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 498)),
+    ("cuda", True, 500, SHORT + (24, 32, 48, 64, 96, 128, 192, 256, 384, 498)),
+    ("cuda", True, 4096, SHORT + HALVES[8:] + (4094,)),
+    ("cuda", False, 4096, HALVES + (4094,)),
+])
+def test_default_warmup_lengths_cover_every_prefill_size_class_on_cuda_and_stay_short_on_a_cpu(
+        device, compile, max_length, expected):
+    """SPEC.md §12: on CUDA the warm-up also prefills every power of two and midpoint between two,
+    clamped to the longest warm-up prompt (``max_length - 2``) and each run once; on a CPU it
+    stays at the compiled widths (compile) or one length."""
+    got = default_warmup_lengths(device, compile, max_length)
+    assert got == expected
+    assert list(got) == sorted(set(got)) and all(1 <= n <= max(1, max_length - 2) for n in got)
+
+
+def test_default_warmup_lengths_refuse_a_max_length_no_batch_has():
+    for bad in (1, 0, True, 4.0):
+        with pytest.raises(ValueError, match="max_length must be an integer >= 2"):
+            default_warmup_lengths("cuda", True, bad)
+
+
+def _char_engine():
+    engine = SpeculativeEngine(tiny_model("llama", seed=0), [], device="cpu")
+    engine.tokenizer = __import__("tiny_models").CharTokenizer()
+    return engine
+
+
+def test_build_warms_up_the_default_lengths_unless_it_is_given_its_own(monkeypatch):
+    """build() with no ``warmup_lengths`` warms the batch with default_warmup_lengths(target
+    device, compile, the batch's max_length) — here forced to the CUDA list, so that long prefills
+    really run (on the CPU, tiny model) — also when max_length is left to the model's window
+    (256); explicit lengths override it, clamped to ``max_length - 2`` and each run once."""
+    from flashspec import serve
+
+    calls, warmed = [], []
+    real = serve.default_warmup_lengths
+
+    def spy(device_type, compile, max_length):
+        calls.append((device_type, compile, max_length))
+        return real("cuda", compile, max_length)
+
+    real_warmup = Batch.warmup
+
+    def warmup(self, prompt_lengths=(1,)):
+        warmed.append(tuple(prompt_lengths))
+        return real_warmup(self, prompt_lengths)
+
+    monkeypatch.setattr(serve, "default_warmup_lengths", spy)
+    monkeypatch.setattr(Batch, "warmup", warmup)
+    engine = _char_engine()
+    for max_length, window in ((64, 64), (None, 256)):
+        scheduler, _ = build(engine, slots=1, max_length=max_length)
+        try:
+            assert scheduler.batch.max_length == window
+            expected = real("cuda", False, window)
+            assert calls[-1] == ("cpu", False, window) and warmed[-1] == expected == scheduler.warmed_lengths
+            assert expected[-1] == window - 2 and {24, 32, 48} <= set(expected)
+        finally:
+            scheduler.stop()
+    calls.clear()
+    scheduler, _ = build(engine, slots=1, max_length=64, warmup_lengths=(5, 300, 1, 400, 5))
+    try:
+        assert calls == [] and warmed[-1] == (5, 62, 1) == scheduler.warmed_lengths
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.parametrize("lengths, words", [((), "is empty"), ([], "is empty"), ((0,), "at least 1 token"),
+                                            ((4, -3), "got -3"), ((2.5,), "got 2.5"), ((True,), "got True"),
+                                            (7, "must be a list"), ("16", "must be a list")])
+def test_build_refuses_empty_or_non_positive_warmup_lengths(lengths, words):
+    with pytest.raises(ValueError, match=words):
+        build(_char_engine(), slots=1, max_length=64, warmup_lengths=lengths)
 
 
 def test_models_health_and_metrics_move(served):

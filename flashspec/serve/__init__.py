@@ -10,13 +10,15 @@ command into ``flashspec``.
 from __future__ import annotations
 
 import argparse
+import functools
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Server", "add_parser", "start_server"]
+__all__ = ["Server", "add_parser", "default_warmup_lengths", "start_server"]
 
 _MISSING = "flashspec serve needs the server extra: pip install 'flashspec[server]' ({error})."
 
@@ -37,12 +39,75 @@ class Server:
         self.scheduler.stop()
 
 
+def _admissible_warmup_lengths(lengths: Iterable[int], max_length: int) -> tuple[int, ...]:
+    """``lengths`` clamped as :meth:`~flashspec.batching.Batch.warmup` clamps them, to 1 …
+    ``max_length - 2`` (the longest prompt a warm-up request of 2 new tokens fits), each kept
+    once, in their first order: lengths that clamp alike would prefill the same shape twice."""
+    top = max(1, max_length - 2)
+    return tuple(dict.fromkeys(max(1, min(int(n), top)) for n in lengths))
+
+
+def default_warmup_lengths(device_type: str, compile: bool, max_length: int) -> tuple[int, ...]:
+    """The prompt lengths the server's warm-up prefills when :func:`build` is given none
+    (SPEC.md §12), sorted, each once, none above ``max_length - 2``.
+
+    ``device_type``: the target's ``torch.device.type``; ``compile``: the engine's; ``max_length``:
+    the batch's (prompt + new tokens, >= 2). With ``compile``, every compiled width 1 … 16 (the
+    Triton kernels of short forwards specialise per width), else 1. On ``"cuda"`` also the powers
+    of two and the midpoints between consecutive ones (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96,
+    …), the last clamped to ``max_length - 2``, so that every size class of prefill has run once
+    before the first request. Why: prefills run eagerly, and on an H200 the first request of a
+    prompt length longer than the warmed ones had a slower first token than a repeat (1.39× at
+    200 tokens, bf16). That the cost is cuBLAS choosing and lazily loading a kernel for each new
+    row count of the prefill's matrix multiplies is a hypothesis, not yet verified on a GPU. Any
+    other device keeps the short list: a CPU probe found no cost per new prompt length, and long
+    prefills there take seconds.
+
+    >>> default_warmup_lengths("cuda", False, 100)
+    (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 98)
+    >>> default_warmup_lengths("cpu", False, 4096)
+    (1,)
+    """
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise ValueError(f"max_length must be an integer >= 2; got {max_length!r}.")
+    from ..cache import StaticLM
+
+    lengths = list(range(1, StaticLM.COMPILED_WIDTHS + 1)) if compile else [1]
+    if device_type == "cuda":
+        top, power = max_length - 2, 1
+        while True:
+            lengths += [power, power + power // 2]  # (1 + 0 = 1 at the start)
+            if power >= top:  # the midpoint above ``top`` clamps to it: the longest admissible prompt
+                break
+            power *= 2
+    return tuple(sorted(_admissible_warmup_lengths(lengths, max_length)))
+
+
+def _check_warmup_lengths(lengths: Any) -> tuple[int, ...]:
+    """An explicit ``warmup_lengths`` as a tuple, or ``ValueError`` with what is wrong with it."""
+    try:
+        values = tuple(lengths)
+    except TypeError:
+        values = None
+    if values is None or isinstance(lengths, (str, bytes)):
+        raise ValueError(f"warmup_lengths must be a list of prompt lengths (positive integers); got {lengths!r}.")
+    if not values:
+        raise ValueError("warmup_lengths is empty: give at least one prompt length to warm up "
+                         "(or leave it out for the default).")
+    bad = [n for n in values if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if bad:
+        raise ValueError(f"warmup_lengths must hold prompt lengths of at least 1 token (positive integers); "
+                         f"got {bad[0]!r} in {lengths!r}.")
+    return values
+
+
 def build(engine: Any, *, model_name: str = "flashspec", slots: int = 8, max_length: int | None = None,
           max_queue: int = 64, max_prefill_tokens: int = 2048, num_draft_tokens: int = 4,
           default_max_tokens: int = 256, warmup_lengths: tuple[int, ...] | None = None) -> tuple[Any, Any]:
     """The started scheduler (batch open, warmed up) and the ASGI app over it. ``warmup_lengths``:
-    the prompt lengths the warm-up prefills (default: every compiled width, 1 … 16, when the engine
-    compiles — the Triton kernels of short forwards specialise per width; else one)."""
+    the prompt lengths the warm-up prefills, each clamped to ``max_length - 2`` and run once
+    (default: :func:`default_warmup_lengths` for the target's device, the engine's ``compile`` and
+    the batch's ``max_length``); an empty list or a length below 1 is a ``ValueError``."""
     try:
         from .app import create_app
         from .metrics import Metrics
@@ -55,13 +120,15 @@ def build(engine: Any, *, model_name: str = "flashspec", slots: int = 8, max_len
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}; got {value!r}.")
     if warmup_lengths is None:
-        from ..cache import StaticLM
-
-        warmup_lengths = tuple(range(1, StaticLM.COMPILED_WIDTHS + 1)) if engine.compile else (1,)
+        # The scheduler calls it with the opened batch's max_length (when max_length is None, the
+        # batch's default: the model's window, at most 4096). Looked up here, so a test may replace it.
+        lengths: Any = functools.partial(default_warmup_lengths, engine.target.device.type, bool(engine.compile))
+    else:
+        lengths = _check_warmup_lengths(warmup_lengths)
     metrics = Metrics()
     scheduler = Scheduler(engine, metrics, slots=slots, max_length=max_length, max_queue=max_queue,
                           max_prefill_tokens=max_prefill_tokens, num_draft_tokens=num_draft_tokens,
-                          warmup_lengths=warmup_lengths)
+                          warmup_lengths=lengths)
     scheduler.start()
     return scheduler, create_app(scheduler, metrics, engine.tokenizer, model_name, default_max_tokens)
 

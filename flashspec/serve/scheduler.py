@@ -13,10 +13,12 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..batching import Batch, RowUpdate
+from . import _admissible_warmup_lengths
 from .metrics import Metrics
 
 __all__ = ["QueueFull", "Scheduler", "Ticket"]
@@ -52,12 +54,15 @@ class Scheduler:
 
     ``slots``: batch-size cap; ``max_prefill_tokens``: the token budget — prompt tokens fed at one
     step boundary (a request with a longer prompt still joins, alone); ``max_queue``: requests
-    waiting beyond the running batch (more: :class:`QueueFull`, HTTP 429).
+    waiting beyond the running batch (more: :class:`QueueFull`, HTTP 429); ``warmup_lengths``: the
+    prompt lengths the start-up warm-up prefills, or a function of the opened batch's
+    ``max_length`` that returns them; either way each is clamped to ``max_length - 2`` and run once
+    (``warmed_lengths`` then holds those run).
     """
 
     def __init__(self, engine: Any, metrics: Metrics, *, slots: int = 8, max_length: int | None = None,
                  max_queue: int = 64, max_prefill_tokens: int = 2048, num_draft_tokens: int = 4,
-                 warmup_lengths: tuple[int, ...] = (1,)) -> None:
+                 warmup_lengths: Sequence[int] | Callable[[int], Sequence[int]] = (1,)) -> None:
         self.engine, self.metrics = engine, metrics
         self.options = dict(slots=slots, max_length=max_length, num_draft_tokens=num_draft_tokens)
         self.max_queue, self.max_prefill_tokens = max_queue, max_prefill_tokens
@@ -71,6 +76,7 @@ class Scheduler:
         self._startup_error: BaseException | None = None
         self.batch: Batch | None = None
         self.warmup_seconds = 0.0
+        self.warmed_lengths: tuple[int, ...] = ()
         self._running: dict[int, Ticket] = {}
         self._seen = {"proposed": 0, "accepted": 0, "arms": {}}
         self._thread = threading.Thread(target=self._main, name="flashspec-engine", daemon=True)
@@ -136,7 +142,11 @@ class Scheduler:
                     self.batch = batch
                     self._seen = {"proposed": 0, "accepted": 0, "arms": {}}
                     if first:
-                        self.warmup_seconds = batch.warmup(self.warmup_lengths)
+                        lengths = self.warmup_lengths
+                        if callable(lengths):
+                            lengths = lengths(batch.max_length)
+                        self.warmed_lengths = _admissible_warmup_lengths(lengths, batch.max_length)
+                        self.warmup_seconds = batch.warmup(self.warmed_lengths)
                         first = False
                         self._ready.set()
                     self._serve(batch)
