@@ -1,5 +1,5 @@
 """The ``flashspec`` command: one function per command (``generate``, ``demo``, ``train-drafter``,
-``bench ...``).
+``calibrate``, ``bench ...``).
 
 Each sub-parser names its function with ``set_defaults(run=...)``; :func:`main` calls it and
 turns a ``ValueError`` into a one-line error and exit code 2.
@@ -98,6 +98,18 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     train.set_defaults(run=train_drafter)
 
+    cal = sub.add_parser("calibrate", help="time target (and drafter) forwards by width here; predict speedups")
+    cal.add_argument("--target", required=True, help="folder, hub id or .gguf file")
+    cal.add_argument("--draft", default=None, help="a drafter model: folder, hub id or .gguf file")
+    cal.add_argument("--max-gamma", type=int, default=8, help="time forwards of 1 to this + 1 tokens (default 8)")
+    cal.add_argument("--context", type=int, default=None,
+                     help="cached positions before the timed tokens (default 256, half the window if less)")
+    cal.add_argument("--no-cache", action="store_true", help="time again even when a cached curve matches")
+    cal.add_argument("--no-progress", action="store_true")
+    cal.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    cal.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    cal.set_defaults(run=calibrate)
+
     add_bench_parsers(sub)
     add_distill_parser(sub)
     add_serve_parser(sub)
@@ -182,6 +194,57 @@ def train_drafter(args: argparse.Namespace) -> None:
     print(f"saved {out} ({size / 1e6:.1f} MB) after {log['seconds']:.0f} s, {log['tokens']:,} tokens; "
           f"final loss {log['loss'][-1]:.3f}, α by draft depth {last} (as saved: {'/'.join(f'{a:.3f}' for a in saved)}); "
           f"use it as --draft {args.kind}:{out}")
+
+
+CALIBRATION_ALPHAS = (0.3, 0.5, 0.7, 0.9)
+
+
+def calibrate(args: argparse.Namespace) -> None:
+    """Time one forward of ``--target`` (and ``--draft``) at each width 1 … ``--max-gamma`` + 1
+    here (or read the cached curve), print the costs and the predicted speedup of each γ at a
+    few acceptance rates (SPEC.md, "Calibration")."""
+    from .calibrate import measure, predict_speedup
+    from .drafters import ModelDrafter
+    from .engine import SpeculativeEngine
+    from .request import MAX_DRAFT_TOKENS
+
+    if not 0 <= args.max_gamma <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--max-gamma must be from 0 to {MAX_DRAFT_TOKENS}; got {args.max_gamma}.")
+    if args.context is not None and args.context < 0:
+        raise ValueError(f"--context must be >= 0; got {args.context}.")
+    if args.draft is not None and (args.draft.strip().lower() == "ngram" or args.draft.split(":", 1)[0] in
+                                   ("early-exit", "feature", "shallow")):
+        raise ValueError(f"calibrate times drafter models (a folder, hub id or .gguf file); {args.draft!r} is not "
+                         "one: n-gram drafters and drafters made from the target are not calibrated yet.")
+    engine = SpeculativeEngine(args.target, [args.draft] if args.draft else [], device=args.device,
+                               dtype=DTYPES[args.dtype] if args.dtype else None)
+    width = args.max_gamma + 1
+    options = dict(context=args.context, use_cache=not args.no_cache, progress=not args.no_progress)
+    target, target_file = measure(engine._target_lm, width, label="target", **options)
+    drafter = None
+    if engine.drafters:
+        model_drafter = engine.drafters[0]
+        if not isinstance(model_drafter, ModelDrafter):  # (checked above by name; a loaded object may differ)
+            raise ValueError(f"calibrate times drafter models; {args.draft!r} is a {type(model_drafter).__name__}.")
+        drafter, drafter_file = measure(model_drafter._lm, width, label="drafter", **options)
+    print(f"target  {target.model}: {target.dtype} on {target.device}, after {target.context} cached "
+          f"positions ({target.method})\n        cache file {target_file}")
+    if drafter is not None:
+        print(f"drafter {drafter.model}: {drafter.dtype}\n        cache file {drafter_file}")
+    print()
+    print(f"{'width':>5}  {'target ms':>10}" + (f"  {'drafter ms':>10}" if drafter is not None else ""))
+    for w in range(1, width + 1):
+        print(f"{w:>5}  {1e3 * target.at(w):>10.3f}" + (f"  {1e3 * drafter.at(w):>10.3f}" if drafter else ""))
+    print()
+    if drafter is None:
+        print("predicted speedup over the target alone with a drafter that costs nothing (an upper bound):")
+    else:
+        print(f"predicted speedup over the target alone (drafter {1e3 * drafter.at(1):.3f} ms per drafted token):")
+    cost = drafter if drafter is not None else 0.0
+    print(f"{'γ':>5}  " + "  ".join(f"{'α=' + str(a):>7}" for a in CALIBRATION_ALPHAS))
+    for g in range(width):
+        print(f"{g:>5}  " + "  ".join(f"{predict_speedup(target, cost, a, g):>7.2f}" for a in CALIBRATION_ALPHAS))
+    print("(γ = 0 is the target alone; below 1.00 drafting loses)")
 
 
 # ----------------------------------------------------------------------------- helpers
