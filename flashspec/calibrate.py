@@ -227,18 +227,8 @@ def _write_cached(path: Path, curve: CostCurve) -> None:
 def _forward_cost(lm: StaticLM | CachedLM, width: int, context: int, repeats: int) -> float:
     """Seconds of one forward of ``lm`` over ``width`` new tokens of one row after ``context``
     cached positions, with :mod:`flashspec.bench.timing` (as ``bench e2e``'s forward costs)."""
-    device = lm.model.device
-    if device.type == "cuda" and isinstance(lm, StaticLM):
-        return timing.forward_seconds(lm, 1, width, context)
-    vocab = lm.model.config.vocab_size
-    generator = torch.Generator().manual_seed(width)
-    lm.reset(1, context + width + 1)
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    if context:
-        prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
-        lm.forward(prefix, zero, logits_at=zero[:, None] + context - 1)
-    new = torch.randint(0, vocab, (1, width), generator=generator).to(device)
-    return timing.best_seconds(lambda: lm.forward(new, zero + context), device, repeats)
+    return timing.cached_forward_seconds(lm, 1, width, context, repeats,
+                                         generator=torch.Generator().manual_seed(width))
 
 
 DEFAULT_CONTEXT = 256  # cached positions before the timed tokens (half the window where that is shorter)
@@ -254,7 +244,8 @@ def measure(model: Any, max_width: int, *, context: int | None = None, repeats: 
     device, dtype, versions, wrapper, context, timing method) and at least as wide is read back
     instead; ``use_cache=False`` always times and overwrites the file. ``repeats``: calls per
     width on the host clock (the best is kept). A progress bar (``tqdm``) unless ``progress`` is
-    False."""
+    False. Timing resets and overwrites the wrapper's KV cache: do not calibrate an engine's own
+    wrapper while it is generating."""
     from tqdm.auto import tqdm
 
     if isinstance(max_width, bool) or not isinstance(max_width, int) or max_width < 1:

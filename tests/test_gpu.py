@@ -376,3 +376,20 @@ def test_step_anatomy_of_a_drafter_made_from_the_target(kind, compile, tmp_path)
     if kind == "shallow":
         assert 0 < fwd["shared_layers_1"] < fwd["drafter_1"]
     assert 0 < pair["speculative_forwards_seconds"] and pair["speculative_overhead"] < 1
+
+
+def test_calibration_on_cuda_times_graph_replays_and_reuses_its_cache(tmp_path, monkeypatch):
+    """`flashspec calibrate` on CUDA (SPEC.md §13): a StaticLM's curve is timed as CUDA-graph
+    replays, every width's cost is finite and positive, the key names the GPU, and a second call
+    reads the cached curve back without timing again."""
+    from flashspec import calibrate
+    from flashspec.bench import timing
+
+    monkeypatch.setenv("FLASHSPEC_CACHE", str(tmp_path))
+    lm = StaticLM(tiny("llama", 0, torch.bfloat16))
+    curve, path = calibrate.measure(lm, 5, context=32, progress=False)
+    assert curve.method == "CUDA-graph replay" and curve.max_width == 5 and path.is_file()
+    assert all(0 < s < 1 for s in curve.seconds) and torch.cuda.get_device_name() in curve.device
+    monkeypatch.setattr(timing, "forward_seconds", lambda *a, **k: pytest.fail("timed again"))
+    again, _ = calibrate.measure(lm, 4, context=32, progress=False)
+    assert again.seconds == curve.seconds[:4]

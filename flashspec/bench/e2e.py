@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import StaticLM, make_lm
+from ..cache import make_lm
 from ..drafters import History, ModelDrafter, NgramDrafter
 from ..engine import SpeculativeEngine
 from ..sampling import SamplingParams
@@ -47,7 +47,7 @@ from .corpus import (
     store_drafters,
 )
 from .results import pyplot, save_figure, write_results
-from .timing import best_seconds, forward_seconds, measured
+from .timing import best_seconds, cached_forward_seconds, measured
 
 __all__ = [
     "FAMILIES",
@@ -519,15 +519,8 @@ def forward_costs(target: Any, drafters: dict[str, Any], gammas: list[int], cont
     widths = sorted({1} | {g + 1 for g in gammas})
 
     def lm_cost(model: Any, width: int) -> float:
-        lm = make_lm(model)
-        if device.type == "cuda" and isinstance(lm, StaticLM):
-            return forward_seconds(lm, batch, width, context)
-        lm.reset(batch, context + max(widths) + 1)
-        zero = torch.zeros(batch, dtype=torch.long, device=device)
-        prefix = torch.randint(0, vocab, (batch, context), generator=gen).to(device)
-        lm.forward(prefix, zero, logits_at=zero[:, None] + context - 1)
-        new = torch.randint(0, vocab, (batch, width), generator=gen).to(device)
-        return best_seconds(lambda: lm.forward(new, zero + context), device, repeats)
+        return cached_forward_seconds(make_lm(model), batch, width, context, repeats,
+                                      capacity=context + max(widths) + 1, generator=gen)
 
     result: dict[str, Any] = {"context": context, "capacity": capacity, "repeats": repeats, "batch": batch,
                               "timing": "CUDA-graph replay" if device.type == "cuda" else "host clock"}

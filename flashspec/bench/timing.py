@@ -15,6 +15,9 @@ CUDA events (GPU time of queued work; these need a CUDA device):
 * :func:`graph_replay_seconds`: calls captured in one CUDA graph and replayed (no launch costs);
 * :func:`forward_seconds`: one cached model forward, replayed from a CUDA graph as the engine
   runs it (SPEC.md §7).
+
+Both: :func:`cached_forward_seconds` times one cached forward as the engine runs it on its device
+(a graph replay for a ``StaticLM`` on CUDA, else the host clock after a prefill).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 __all__ = [
     "alternating",
     "best_seconds",
+    "cached_forward_seconds",
     "event_seconds",
     "forward_seconds",
     "graph_replay_seconds",
@@ -160,3 +164,26 @@ def forward_seconds(lm: Any, batch: int, width: int, context: int, iters: int = 
     for _ in range(2):
         graphs.run("forward", lambda: lm.forward(tokens, start, **part))
     return event_seconds(lambda _: graphs.run("forward", lambda: lm.forward(tokens, start, **part)), 1, iters)
+
+
+def cached_forward_seconds(lm: Any, batch: int, width: int, context: int, repeats: int = 5,
+                           capacity: int | None = None, generator: torch.Generator | None = None) -> float:
+    """Seconds of one forward of ``lm`` (a :class:`flashspec.cache.StaticLM` or ``CachedLM``) over
+    ``width`` new random tokens of ``batch`` rows after ``context`` cached positions. A StaticLM
+    on CUDA: :func:`forward_seconds` (a graph replay: timed eagerly, a batch-1 forward measures
+    Python's kernel launches). Else: the cache reset to ``capacity`` positions (default
+    ``context + width + 1``), ``context`` random tokens prefilled, then the best of ``repeats``
+    host-clock calls. Either way ``lm``'s cache is reset and overwritten."""
+    from ..cache import StaticLM
+
+    device = lm.model.device
+    if device.type == "cuda" and isinstance(lm, StaticLM):
+        return forward_seconds(lm, batch, width, context)
+    vocab = lm.model.config.vocab_size
+    lm.reset(batch, capacity if capacity is not None else context + width + 1)
+    zero = torch.zeros(batch, dtype=torch.long, device=device)
+    if context:
+        prefix = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
+        lm.forward(prefix, zero, logits_at=zero[:, None] + context - 1)
+    new = torch.randint(0, vocab, (batch, width), generator=generator).to(device)
+    return best_seconds(lambda: lm.forward(new, zero + context), device, repeats)
