@@ -24,7 +24,9 @@
 # GENERAL_MINUTES, DELTA_MINUTES, COMPARE_STEPS, DISTILL_COUNT, ACC_PROMPTS and B1_PROMPTS shrink it;
 # GAMMAS=2,4 runs the end-to-end arms at those draft lengths (default 4);
 # TRAIN=0 measures the committed feature drafters as they are (only the shallow ones train);
-# SHALLOW=0 leaves the shallow drafters out (no training, no rows); ACCEPTANCE=0 skips stage 3
+# SHALLOW=0 leaves the shallow drafters out (no training, no rows); ANATOMY=0 and E2E=0 skip stages 4
+# and 5 (with TRAIN=0 SHALLOW=0 ACCEPTANCE=0 ANATOMY=0 E2E=0 it only converts and runs the tests,
+# for serve_h200.sh and never_slower_h200.sh); ACCEPTANCE=0 skips stage 3
 # (the committed drafters' acceptance was measured in an earlier run: it does not depend on speed);
 # DISTILLED=FILE unpacks an earlier run's distilled.tar.xz instead of distilling again (with
 # TRAIN=0 SHALLOW=0 nothing trains, and nothing is distilled).
@@ -134,6 +136,7 @@ if [ "${ACCEPTANCE:-1}" = 1 ]; then
 fi
 
 # Step anatomy (alone: these are timings): the forwards as graph replays against a measured step.
+[ "${ANATOMY:-1}" = 0 ] && [ "${E2E:-1}" = 0 ] && { stamp "done"; exit 0; }
 gpu="bench gpu --target $T --corpus $C --shaped= --no-kernels --no-maps --no-hf --prompts-per-domain 2"
 [ -f "$ck/general/drafter.json" ] && run gpu_feature fs $gpu --draft feature:$ck/general --out $out/gpu_feature
 [ -f "$ck/shallow/drafter.json" ] && run gpu_shallow fs $gpu --draft shallow:$ck/shallow --out $out/gpu_shallow
@@ -144,11 +147,12 @@ feat=$(have feature:general feature:code feature:prose feature:chat)
 # Batch 8 first (session 15 ran out before it; batch 1 of the same code is in selfdraft_h200_s15/).
 few="--draft /tmp/hf/draft $(have feature:general)"
 for t in 0 0.7; do
+  [ "${E2E:-1}" = 0 ] && break
   run "e2e_b8_t$t" fs $e2e $few --batch-sizes 8 --prompts-per-domain 8 --temperature $t --out $out/e2e_b8_t$t
 done
-run e2e_b1_t0 fs $e2e --draft /tmp/hf/draft $main --batch-sizes 1 --prompts-per-domain ${B1_PROMPTS:-3} \
+[ "${E2E:-1}" = 0 ] || run e2e_b1_t0 fs $e2e --draft /tmp/hf/draft $main --batch-sizes 1 --prompts-per-domain ${B1_PROMPTS:-3} \
     --temperature 0 --out $out/e2e_b1_t0
-run e2e_b1_t0.7 fs $e2e --draft /tmp/hf/draft $feat --batch-sizes 1 --prompts-per-domain ${B1_PROMPTS:-3} \
+[ "${E2E:-1}" = 0 ] || run e2e_b1_t0.7 fs $e2e --draft /tmp/hf/draft $feat --batch-sizes 1 --prompts-per-domain ${B1_PROMPTS:-3} \
     --temperature 0.7 --out $out/e2e_b1_t0.7
 
 if [ "${COMPARE:-0}" = 1 ]; then  # session 13's comparisons (BENCHMARKS.md "What each choice is worth")

@@ -274,7 +274,7 @@ class Batch:
         self.engine, self.slots, self.max_length = engine, slots, max_length
         self.num_draft_tokens = num_draft_tokens
         self._eos_token_id = eos_token_id
-        gammas = [g or num_draft_tokens for _, g in engine.arms]
+        gammas = [0 if d is None else g or num_draft_tokens for d, g in engine.arms]
         gamma = max(gammas, default=num_draft_tokens)
         self.gamma = gamma
         capacity = -(-(max_length + gamma + 2) // 256) * 256
@@ -297,6 +297,7 @@ class Batch:
                 plan = Plan(target=engine._target_lm, drafters=engine.drafters, arm_drafters=[d for d, _ in engine.arms],
                             arm_gammas=gammas, labels=[engine.arm_label(a, num_draft_tokens) for a in range(len(engine.arms))],
                             selector=engine.selection.for_request(None),
+                            guard=engine.new_guard(gammas),  # one budget for the batch's lifetime
                             graphs=Graphs(enabled=engine._graphs.enabled, limit=self.GRAPHS),
                             workspace=workspace, commit_step=engine._commit_step,
                             stage_drafts=engine._stage_drafts, tp=None, queue_ahead=False)
@@ -316,7 +317,7 @@ class Batch:
                     eos_token_id=self._eos_token_id, seed=seed, sync_every=1, context=None, target=engine.target,
                     tokenizer=engine.tokenizer,
                     drafter_models=[d.model for d in engine.drafters if isinstance(d, ModelDrafter)],
-                    gammas=[g for _, g in engine.arms], device=engine.device)
+                    gammas=[g for d, g in engine.arms if d is not None], device=engine.device)
 
     # ------------------------------------------------------------------ the step API
     @property
@@ -378,7 +379,10 @@ class Batch:
         if not self._slot_of:
             return []
         failed: dict[int, str] = {}
-        if bool(run.active.any()):
+        running = bool(run.active.any())
+        if not running and run.plan.guard is not None:
+            run.plan.guard.reset()  # the batch emptied: the never-slower budget starts again (SPEC.md §8)
+        if running:
             run.step()
             started = time.perf_counter()
             fault = run.take_fault()
@@ -388,6 +392,8 @@ class Batch:
                 run.ws.active[slot] = False
             run.poll()
             run.stats.decode_seconds += time.perf_counter() - started
+            if run.plan.guard is not None:
+                run.stats.guard_refused = run.plan.guard.refused
         updates = self._report(failed)
         run.after_poll()
         return updates

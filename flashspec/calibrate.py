@@ -182,10 +182,43 @@ def _versions() -> dict[str, str]:
             "flashspec_version": __version__}
 
 
-def _cache_path(key: dict[str, Any]) -> Path:
+def _cache_path(key: dict[str, Any], prefix: str = "") -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(key["model"]).rsplit("-", 1)[0]).strip("_")[-60:] or "model"
-    return calibration_dir() / f"{name}-{key['dtype']}-{digest}.json"
+    return calibration_dir() / f"{prefix}{name}-{key['dtype']}-{digest}.json"
+
+
+def _read_json(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The record cached at ``path`` under exactly ``key`` (None when there is none or its key
+    differs; an unreadable file is reported in a warning and ignored, then measured again)."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or record.get("format") != FORMAT:
+            raise ValueError(f"not a calibration file of format {FORMAT}")
+        seconds = record["seconds"]
+        if not isinstance(seconds, list) or not seconds or not all(
+                isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0 for s in seconds):
+            raise ValueError("its times are not finite positive numbers")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        warnings.warn(f"The calibration cache file {path} is unreadable ({error}); measuring again.",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return record if record.get("key") == json.loads(json.dumps(key)) else None
+
+
+def _write_json(path: Path, key: dict[str, Any], record: dict[str, Any]) -> None:
+    """Write ``record`` under ``key`` atomically (a temporary file renamed over ``path``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as f:
+            f.write(json.dumps({"format": FORMAT, "key": key, **record}, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _read_cached(path: Path, key: dict[str, Any], max_width: int) -> CostCurve | None:

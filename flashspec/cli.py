@@ -52,9 +52,7 @@ def _parser() -> argparse.ArgumentParser:
                              help="feature (default): the feature drafter trained from the target, shipped in "
                                   "the package; model: the 0.5B Qwen2.5-Coder model")
     _add_sampling(demo_parser)
-    # On the CPU a bf16 matmul costs the same for 1 and 5 tokens, a float32 one does not
-    # (BENCHMARKS.md), so the demo runs in bfloat16 everywhere.
-    demo_parser.set_defaults(dtype="bfloat16", run=demo)
+    demo_parser.set_defaults(run=demo)
 
     train = sub.add_parser("train-drafter", help="train a drafter made from the target (SPEC.md §11)")
     train.add_argument("--target", required=True, help="folder, hub id or .gguf file")
@@ -121,17 +119,21 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 turns top-k off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 turns top-p off")
-    p.add_argument("--num-draft-tokens", "--gamma", type=int, default=4)
+    p.add_argument("--num-draft-tokens", "--gamma", type=int, default=None,
+                   help="tokens drafted per step (default: chosen per drafter by timing its steps here)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16 here (timed once)")
+    p.add_argument("--no-calibration-cache", action="store_true",
+                   help="time forwards and steps again even when cached timings match")
 
 
 # ----------------------------------------------------------------------------- commands
 def generate(args: argparse.Namespace) -> None:
     """Complete ``--prompt`` speculatively; with ``--compare`` also target-only, and the speedup."""
     _sampling_options(args)  # checked before minutes of model loading
-    engine, baseline = _load_pair(args.target, args.draft, args.tokenizer, args.device, args.dtype)
+    engine, baseline = _load_pair(args.target, args.draft, args.tokenizer, args)
     _complete(engine, baseline if args.compare else None, args.prompt, args)
 
 
@@ -141,7 +143,7 @@ def demo(args: argparse.Namespace) -> None:
 
     _sampling_options(args)  # checked before the download and minutes of model loading
     target, draft = demo_pair(args.drafter)
-    engine, baseline = _load_pair(target, [draft], None, args.device, args.dtype)
+    engine, baseline = _load_pair(target, [draft], None, args)
     _complete(engine, baseline, args.prompt, args)
 
 
@@ -215,7 +217,8 @@ def calibrate(args: argparse.Namespace) -> None:
     if args.draft is not None and (args.draft.strip().lower() == "ngram" or args.draft.split(":", 1)[0] in
                                    ("early-exit", "feature", "shallow")):
         raise ValueError(f"calibrate times drafter models (a folder, hub id or .gguf file); {args.draft!r} is not "
-                         "one: n-gram drafters and drafters made from the target are not calibrated yet.")
+                         "one: n-gram drafters and drafters made from the target have no forward of their own to time; "
+                         "`flashspec generate` times their decode steps (SPEC.md §13).")
     engine = SpeculativeEngine(args.target, [args.draft] if args.draft else [], device=args.device,
                                dtype=DTYPES[args.dtype] if args.dtype else None)
     width = args.max_gamma + 1
@@ -248,13 +251,47 @@ def calibrate(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _load_pair(target: str, drafts: list[str], tokenizer: str | None, device: str | None,
-               dtype: str | None) -> tuple[Any, Any]:
-    """The speculative engine and a target-only engine sharing its target."""
+def _explain_speedup(engine: Any, stats: Any, speedup: float) -> None:
+    """Which arms ran, what the calibration predicted for them at the acceptance measured, and
+    plainly when drafting did not pay (issue 23)."""
+    choice = engine.choice
+    if not engine.drafters:
+        print("no drafter can pay on this machine (see the table above): both runs decoded with the target alone, "
+              "so any difference is timing noise")
+        return
+    used = {label: per.steps for label, per in stats.per_arm.items() if per.steps}
+    steps = sum(used.values()) or 1
+    print("steps by arm: " + ", ".join(f"{label} {n / steps:.0%}" for label, n in
+                                        sorted(used.items(), key=lambda x: -x[1])))
+    drafting = [(label, n) for label, n in used.items() if label != "target@0"]
+    if choice is not None and drafting and stats.proposed and choice.step_seconds:
+        label = max(drafting, key=lambda x: x[1])[0]
+        name, gamma = label.rsplit("@", 1)
+        if name in choice.step_seconds and int(gamma) <= len(choice.step_seconds[name]):
+            predicted = choice.speedup(name, int(gamma), stats.acceptance_rate)
+            print(f"predicted for {label} at the acceptance measured ({stats.acceptance_rate:.2f}): "
+                  f"{predicted:.2f}×; measured {speedup:.2f}×")
+    if stats.guard_refused:
+        print(f"the never-slower guard ran the target alone instead of a drafter on {stats.guard_refused} of "
+              f"{stats.steps} steps")
+    if speedup < 1.0:
+        print("drafting did not pay on this request: it ran within the guard's 3 % of the target alone "
+              "(plus one step); differences this small are mostly timing noise")
+
+
+
+def _load_pair(target: str, drafts: list[str], tokenizer: str | None, args: argparse.Namespace) -> tuple[Any, Any]:
+    """The speculative engine, configured by calibration unless ``--dtype`` / ``--gamma`` say
+    otherwise (SPEC.md §13), and a target-only engine sharing its target. Prints the choice."""
     from .engine import SpeculativeEngine
 
-    engine = SpeculativeEngine(target, drafts, tokenizer=tokenizer, device=device,
-                               dtype=DTYPES[dtype] if dtype else None)
+    gamma = args.num_draft_tokens
+    engine = SpeculativeEngine.calibrated(target, drafts, tokenizer=tokenizer, device=args.device,
+                                          dtype=DTYPES[args.dtype] if args.dtype else None,
+                                          gammas=None if gamma is None else [gamma],
+                                          use_cache=not args.no_calibration_cache)
+    print(engine.choice.explain())
+    print()
     baseline = SpeculativeEngine(engine.target, [], tokenizer=engine.tokenizer)
     return engine, baseline
 
@@ -270,7 +307,7 @@ def _sampling_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 means greedy); got {args.temperature}.")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}.")
-    if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+    if args.num_draft_tokens is not None and not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"--num-draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}; got {args.num_draft_tokens}.")
     do_sample = args.temperature > 0
     SamplingParams(do_sample=do_sample, temperature=args.temperature if do_sample else 1.0,
@@ -281,7 +318,7 @@ def _sampling_options(args: argparse.Namespace) -> dict[str, Any]:
         temperature=args.temperature if args.temperature > 0 else 1.0,
         top_k=args.top_k,
         top_p=args.top_p,
-        num_draft_tokens=args.num_draft_tokens,
+        num_draft_tokens=args.num_draft_tokens or 4,  # (the engine's arms carry their own γ)
         seed=args.seed,
     )
 
@@ -307,6 +344,7 @@ def _complete(engine: Any, baseline: Any, prompt: str, args: argparse.Namespace)
     base = baseline.generate(prompt, progress=True, **options)
     _report("target-only", base)
     speedup = out.stats.tokens_per_second / base.stats.tokens_per_second
+    _explain_speedup(engine, out.stats, speedup)
     if base.sequences == out.sequences:
         same = "identical"
     elif options["do_sample"]:

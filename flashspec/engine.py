@@ -30,9 +30,13 @@ from .models import check_causal_lm, eval_mode, load_model, load_tokenizer
 from .parallel import tensor_parallel_of
 from .request import Request, parse_engine_options, parse_request
 from .select import Selection, Selector
+from .select.guard import DEFAULT_SLACK, Guard, check_slack
 from .stats import DrafterStats, GenerationOutput, GenerationStats
 
 __all__ = ["SpeculativeEngine", "GenerationOutput", "GenerationStats", "Selection"]
+
+AUTO = "auto"  # the default selector: AUTO_SELECTOR over the arms plus the target-only arm, guarded
+AUTO_SELECTOR = "thompson"
 
 
 class SpeculativeEngine:
@@ -45,11 +49,19 @@ class SpeculativeEngine:
             §11), ``"feature:DIR"`` or ``"shallow:DIR"`` (trained drafters made from the target,
             ``flashspec train-drafter``) or a :class:`~flashspec.drafters.Drafter`. Empty means
             plain target-only decoding through the same loop.
-        selector: how an arm — a (drafter, γ) pair — is chosen each step: ``"fixed"`` (the
-            first arm), ``"ucb1"``, ``"thompson"``, ``"discounted-ucb"``,
-            ``"sliding-window-ucb"``, ``"epsilon-greedy"``, or a selector object
-            (:mod:`flashspec.select`). ``selector_options`` go to the named selector's class
-            (e.g. ``{"reward": "acceptance", "seed": 0}``).
+        selector: how an arm — a (drafter, γ) pair — is chosen each step: ``"auto"`` (the
+            default: Thompson sampling on throughput over every arm plus the target-only arm,
+            guarded so that no request gets more than ``slack`` slower than the target alone;
+            SPEC.md §8), ``"fixed"`` (the first arm), ``"ucb1"``, ``"thompson"``,
+            ``"discounted-ucb"``, ``"sliding-window-ucb"``, ``"epsilon-greedy"``, or a selector
+            object (:mod:`flashspec.select`). ``selector_options`` go to the named selector's
+            class (e.g. ``{"reward": "acceptance", "seed": 0}``).
+        target_only: add the arm "no drafting" (``"target@0"``, γ = 0) after the drafter arms.
+            Default: with ``selector="auto"`` only. Needs ``reward="throughput"``.
+        slack: with a target-only arm, the guard's δ: a step may draft only while the request
+            stays within this fraction (plus one target step) of the target alone's time
+            (SPEC.md §8); ``"auto"`` (default) is 0.03 with a target-only arm and no guard
+            without one; ``None`` turns the guard off.
         gammas: draft lengths to choose among; the arms are every (drafter, γ) pair, drafter
             first. ``None``: one arm per drafter, with ``generate``'s ``num_draft_tokens``.
         share_selector: ``True`` (default) — the selector learns across requests (one state
@@ -76,8 +88,10 @@ class SpeculativeEngine:
         target: PreTrainedModel | str,
         drafters: Any = (),
         *,
-        selector: str | Selector = "fixed",
+        selector: str | Selector = AUTO,
         selector_options: dict[str, Any] | None = None,
+        target_only: bool | None = None,
+        slack: float | str | None = "auto",
         gammas: Sequence[int] | None = None,
         share_selector: bool = True,
         tokenizer: Any = None,
@@ -111,10 +125,15 @@ class SpeculativeEngine:
         self._feature_layers = tuple(sorted({d.feature_layer for d in self.drafters
                                              if getattr(d, "uses_hidden_states", False)}))
         gammas = options.gammas
-        # Arms: (drafter index, γ or None for generate's num_draft_tokens).
-        self.arms: list[tuple[int, int | None]] = [
+        # Arms: (drafter index, γ or None for generate's num_draft_tokens); the target-only arm is
+        # (None, 0), last (SPEC.md §8).
+        self.arms: list[tuple[int | None, int | None]] = [
             (d, g) for d in range(len(self.drafters)) for g in (gammas if gammas is not None else [None])
         ]
+        self.slack = self._target_only_arm(selector, target_only, slack, options.selector_options)
+        # What each arm's step cost, in target-only steps, when a guard last measured it: the next
+        # request's guard starts from these instead of its cautious prior (SPEC.md §8).
+        self.arm_costs: dict[int, float] = {}
         self.share_selector = options.share_selector
         self.selection = self.new_selection(selector, **options.selector_options)
         static_on_gpu = isinstance(self._target_lm, StaticLM) and self.target.device.type == "cuda"
@@ -133,6 +152,48 @@ class SpeculativeEngine:
         self.queue_ahead = self.device.type == "cuda"
         # One generate at a time: calls share the workspace, caches and graphs (SPEC.md §5).
         self._generating = threading.Lock()
+
+    def _target_only_arm(self, selector: Any, target_only: Any, slack: Any, selector_options: dict[str, Any]
+                         ) -> float | None:
+        """Append the target-only arm when asked for (by default with ``selector="auto"``);
+        return the guard's slack (None: no guard). SPEC.md §8."""
+        if target_only is None:
+            target_only = isinstance(selector, str) and selector == AUTO
+        if not isinstance(target_only, bool):
+            raise ValueError(f"target_only must be True, False or None (default: with selector='auto'); "
+                             f"got {target_only!r}.")
+        if isinstance(slack, str) and slack == "auto":
+            slack = DEFAULT_SLACK if target_only else None
+        slack = check_slack(slack)
+        if slack is not None and not target_only:
+            raise ValueError("slack guards a request against drafting that loses by switching to the target-only "
+                             "arm: pass target_only=True too (or use selector='auto').")
+        if target_only and self.arms:
+            if selector_options.get("reward", "throughput") != "throughput":
+                raise ValueError("A target-only arm needs reward='throughput': an acceptance rate cannot compare "
+                                 "drafting with not drafting.")
+            self.arms.append((None, 0))
+        return slack if self.arms else None
+
+    @classmethod
+    def calibrated(cls, target: Any, drafters: Any = (), **options: Any) -> SpeculativeEngine:
+        """An engine configured from measurements on this machine (SPEC.md §13): the dtype of a
+        target given as a path, each drafter's draft lengths (or none where it cannot pay), and
+        ``selector="auto"``; what was chosen and why is in ``engine.choice``
+        (:class:`flashspec.auto.Choice`). Options: those of :func:`flashspec.auto.calibrated_engine`."""
+        from .auto import calibrated_engine
+
+        engine, choice = calibrated_engine(target, drafters, **options)
+        engine.choice = choice
+        return engine
+
+    # What :meth:`calibrated` chose, or None for an engine configured by hand.
+    choice: Any = None
+
+    @property
+    def target_only_arm(self) -> int | None:
+        """The index of the target-only arm, or None when the engine has none."""
+        return next((a for a, (d, _) in enumerate(self.arms) if d is None), None)
 
     def _load_target(self, target: Any, tokenizer: Any, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
         """The target model (loaded when given as a path) and its tokenizer, if any can be had."""
@@ -160,11 +221,15 @@ class SpeculativeEngine:
     def arm_label(self, arm: int, num_draft_tokens: int | None = None) -> str:
         """``"drafter@γ"`` for arm ``arm``."""
         d, g = self.arms[arm]
+        if d is None:
+            return "target@0"
         return f"{self.drafters[d].name}@{g if g is not None else num_draft_tokens}"
 
     def new_selection(self, selector: str | Selector = "fixed", **options: Any) -> Selection:
         """A fresh learning state for this engine's arms (a selector name with its class's
         options, or an object); install it with ``engine.selection = ...`` (SPEC.md §8)."""
+        if isinstance(selector, str) and selector == AUTO:
+            selector = AUTO_SELECTOR
         if self._tp is not None and isinstance(selector, str) and options.get("seed") is None:
             options["seed"] = self._tp.shared_seed()  # every rank must choose the same arms
         return Selection(selector, len(self.arms), share=self.share_selector, **options)
@@ -284,7 +349,7 @@ class SpeculativeEngine:
         request = parse_request(
             input_ids, **arguments, target=self.target, tokenizer=self.tokenizer,
             drafter_models=[d.model for d in self.drafters if isinstance(d, ModelDrafter)],
-            gammas=[g for _, g in self.arms], device=self.device,
+            gammas=[g for d, g in self.arms if d is not None], device=self.device,
         )
         stats = GenerationStats(
             per_drafter={d.name: DrafterStats() for d in self.drafters},
@@ -292,7 +357,10 @@ class SpeculativeEngine:
         )
         if request.max_new_tokens == 0:
             return self._output([[] for _ in request.rows], stats)
-        sequences = decode(self._plan(request), request, stats, progress=progress)
+        plan = self._plan(request)
+        sequences = decode(plan, request, stats, progress=progress)
+        if plan.guard is not None:
+            self.arm_costs.update(plan.guard.ratios())
         return self._output(sequences, stats)
 
     # ------------------------------------------------------------------ continuous batching
@@ -318,7 +386,7 @@ class SpeculativeEngine:
 
     def _plan(self, request: Request) -> Plan:
         """What the decode loop of ``request`` needs: arms resolved, buffers shaped."""
-        gammas = [g or request.num_draft_tokens for _, g in self.arms]
+        gammas = [0 if d is None else g or request.num_draft_tokens for d, g in self.arms]
         gamma = max(gammas, default=request.num_draft_tokens)
         return Plan(
             target=self._target_lm,
@@ -327,6 +395,7 @@ class SpeculativeEngine:
             arm_gammas=gammas,
             labels=[self.arm_label(a, request.num_draft_tokens) for a in range(len(self.arms))],
             selector=self.selection.for_request(request.context),
+            guard=self.new_guard(gammas),
             graphs=self._graphs,
             workspace=self._workspace(workspace_shape(request, gamma, self.target.config.hidden_size,
                                                       self._feature_layers)),
@@ -335,6 +404,13 @@ class SpeculativeEngine:
             tp=self._tp,
             queue_ahead=self.queue_ahead,
         )
+
+    def new_guard(self, gammas: Sequence[int]) -> Guard | None:
+        """A fresh never-slower guard for one request (or running batch) whose arms draft
+        ``gammas`` tokens, or None without a target-only arm or slack (SPEC.md §8)."""
+        if self.slack is None or self.target_only_arm is None:
+            return None
+        return Guard(gammas, self.target_only_arm, self.slack, priors=self.arm_costs)
 
     def _workspace(self, shape: tuple[Any, ...]) -> Workspace:
         """The decode buffers for this shape: reused when it matches the last request (so are

@@ -33,6 +33,7 @@ from .drafters import Drafter, History
 from .graphs import Graphs
 from .request import Request
 from .select import Observation, Selector
+from .select.guard import Guard
 from .stats import GenerationStats, StepRecord
 from .sampling import SamplingParams
 from .verify import VerifyResult, verify
@@ -116,10 +117,11 @@ class Plan:
 
     target: Any  # the target behind its cache (flashspec.cache): forward(...), forward_seconds
     drafters: list[Drafter]
-    arm_drafters: list[int]  # per arm: index into drafters
-    arm_gammas: list[int]  # per arm: its draft length, resolved for this request
-    labels: list[str]  # per arm: "drafter@γ"
+    arm_drafters: list[int | None]  # per arm: index into drafters (None: the target-only arm)
+    arm_gammas: list[int]  # per arm: its draft length, resolved for this request (0: target-only)
+    labels: list[str]  # per arm: "drafter@γ" ("target@0")
     selector: Selector | None  # None: target-only (no arms)
+    guard: Guard | None  # the never-slower guard of this request (SPEC.md §8), or None
     graphs: Graphs
     workspace: Workspace
     commit_step: Callable[..., None]  # commit_step, or its compiled form
@@ -157,6 +159,8 @@ def decode(plan: Plan, request: Request, stats: GenerationStats, progress: bool 
     stats.seconds = time.perf_counter() - start
     stats.decode_seconds = stats.seconds - stats.prefill_seconds
     stats.forward_seconds = run.forward_seconds() - forward_before
+    if plan.guard is not None:
+        stats.guard_refused = plan.guard.refused
     return run.sequences()
 
 
@@ -262,6 +266,8 @@ class _Run:
             return None, 0
         started = time.perf_counter()
         arm = selector.select()
+        if self.plan.guard is not None:  # the selector's choice, or target-only (SPEC.md §8)
+            arm = self.plan.guard.admit(arm)
         self.stats.selector_seconds += time.perf_counter() - started
         return arm, self.plan.arm_gammas[arm]
 
@@ -275,7 +281,7 @@ class _Run:
         ws, tp = self.ws, self.plan.tp
         self._draw_random()
         self.states_layer = None
-        if arm is None:
+        if arm is None or self.plan.arm_drafters[arm] is None:  # target-only: no drafts
             return False
         history = History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden)
         drafter = self.plan.drafters[self.plan.arm_drafters[arm]]
@@ -422,10 +428,12 @@ class _Run:
     def _record(
         self, arm: int | None, k: int, accepted: int, active_rows: int, committed: int, seconds: float
     ) -> None:
-        """The update: one polled step into the statistics and the selector."""
+        """The update: one polled step into the statistics, the guard and the selector."""
+        stats, plan = self.stats, self.plan
+        if plan.guard is not None and arm is not None:
+            plan.guard.observe(arm, committed, seconds, active_rows)
         if active_rows == 0:  # a step queued ahead after every row finished: it did nothing
             return
-        stats, plan = self.stats, self.plan
         label = None if arm is None else plan.labels[arm]
         stats.step_log.append(StepRecord(label, accepted, active_rows, committed, seconds))
         stats.steps += 1
@@ -437,6 +445,9 @@ class _Run:
         started = time.perf_counter()
         plan.selector.update(arm, observation)
         stats.selector_seconds += time.perf_counter() - started
+        if plan.arm_drafters[arm] is None:  # the target-only arm
+            stats.per_arm[label].steps += 1
+            return
         drafter = plan.drafters[plan.arm_drafters[arm]]
         for per in (stats.per_drafter[drafter.name], stats.per_arm[label]):
             per.steps += 1

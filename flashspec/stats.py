@@ -44,7 +44,8 @@ class GenerationStats:
     decode_tokens: int = 0  # tokens committed by decode steps (the prefill's first token excluded)
     per_drafter: dict[str, DrafterStats] = field(default_factory=dict)
     per_arm: dict[str, DrafterStats] = field(default_factory=dict)  # "drafter@γ"
-    selector_seconds: float = 0.0  # host time in select() and update()
+    selector_seconds: float = 0.0  # host time in select() and update() (and the guard's admit())
+    guard_refused: int = 0  # steps the never-slower guard ran target-only instead of the chosen arm (SPEC §8)
     step_log: list[StepRecord] = field(default_factory=list)  # one per decode step, in order
 
     @property
@@ -81,6 +82,7 @@ class GenerationStats:
             "per_drafter": {k: vars(v) for k, v in self.per_drafter.items()},
             "per_arm": {k: vars(v) for k, v in self.per_arm.items()},
             "selector_seconds": self.selector_seconds,
+            "guard_refused": self.guard_refused,
         }
 
 

@@ -10,3 +10,25 @@ import torch
 # variable must be set before anything imports triton (triton.jit reads it at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "default_configuration: run with the engine's real default selector ('auto': the "
+        "target-only arm and the never-slower guard) instead of 'fixed'")
+
+
+@pytest.fixture(autouse=True)
+def _fixed_selector_unless_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most tests check what one drafter does at every step (its drafts verified, accepted,
+    cached), so an engine built without ``selector=`` uses ``"fixed"`` here: under the default
+    ``"auto"`` the never-slower guard may run a slow test drafter rarely or never (SPEC.md §8),
+    and those tests would stop testing it. Tests of the default configuration carry the
+    ``default_configuration`` marker (tests/test_guard.py, tests/test_serve.py, ...)."""
+    if request.node.get_closest_marker("default_configuration") is None:
+        from flashspec.engine import SpeculativeEngine
+
+        monkeypatch.setitem(SpeculativeEngine.__init__.__kwdefaults__, "selector", "fixed")

@@ -70,12 +70,12 @@ def main(out_dir: Path) -> None:
         model = shard_model(whole)
         case: dict[str, Any] = {}
         for kind in DRAFTERS:
-            engine = SpeculativeEngine(model, drafters[kind], device="cpu")
+            engine = SpeculativeEngine(model, drafters[kind], device="cpu", selector="fixed")
             out = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, num_draft_tokens=GAMMA, eos_token_id=[])
             case[f"greedy/{kind}"] = out.sequences
             lm = engine._target_lm
             case["heads"] = [lm.num_heads, lm.num_kv_heads, list(lm.keys[0].shape)]
-        engine = SpeculativeEngine(model, drafters["model"], device="cpu")
+        engine = SpeculativeEngine(model, drafters["model"], device="cpu", selector="fixed")  # seeded samples compared: fixed arms
         kwargs = dict(max_new_tokens=NEW_TOKENS, num_draft_tokens=GAMMA, eos_token_id=[], **SAMPLING)
         case["sampled/seed"] = engine.generate(PROMPTS, seed=7, **kwargs).sequences
         case["sampled/no-seed"] = engine.generate(PROMPTS, **kwargs).sequences  # rank 0's seed

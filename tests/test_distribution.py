@@ -152,7 +152,9 @@ def on(device: str, model):
 
 
 def run(drafter, temperature, top_k=0, top_p=1.0, gamma=3, seed=1234, device="cpu") -> np.ndarray:
-    engine = SpeculativeEngine(on(device, TARGET), [on(device, drafter)] if drafter is not None else [])
+    # selector="fixed": every step drafts (the default's guard could let a slow drafter run rarely)
+    engine = SpeculativeEngine(on(device, TARGET), [on(device, drafter)] if drafter is not None else [],
+                               selector="fixed")
     out = engine.generate(
         [PROMPT] * SAMPLES,
         max_new_tokens=5,
@@ -259,6 +261,22 @@ def test_adversarial_selection_of_drafter_and_gamma_keeps_the_law():
     assert all(s.steps > 0 for s in out.stats.per_arm.values())  # every (drafter, γ) arm ran
 
 
+@pytest.mark.parametrize("slack", [0.0, 1e9])
+def test_target_only_arm_and_guard_keep_the_law(slack):
+    """The adversarial selector over two drafting arms and the target-only arm, behind the
+    never-slower guard (SPEC.md §8): with slack 0 the guard replaces many of its choices by the
+    target-only arm, with a huge slack almost none; the law is the target's either way."""
+    engine = SpeculativeEngine(TARGET, [noisy_copy(TARGET, 1.0, 7)], gammas=[1, 3], selector=AdversarialSelector(3),
+                               target_only=True, slack=slack)
+    out = engine.generate([PROMPT] * SAMPLES, max_new_tokens=10, do_sample=True, temperature=0.8, top_p=0.9,
+                          eos_token_id=[], seed=6)
+    samples = np.array([s[:3] for s in out.sequences])
+    assert chi_square_pvalue(samples, exact_law(0.8, 0, 0.9)) > ALPHA
+    assert out.stats.guard_refused >= 1  # the first step is always the target alone's
+    assert out.stats.per_arm["target@0"].steps >= 1
+    assert slack == 0.0 or out.stats.proposed > 0  # with room to draft, drafts were verified
+
+
 class ConstantDrafter:
     """A deterministic drafter that always proposes token 0: the worst case for one-hot q."""
 
@@ -285,7 +303,8 @@ def test_rows_sharing_a_batch_with_other_parameters_sample_the_exact_law(gamma):
     """A batch whose rows sample with different parameters verifies them in groups and drafts
     greedily (one-hot q, SPEC.md §12): the tested rows (T = 0.7, top-k 5, top-p 0.9, a noisy
     drafter: p != q) still follow the target's law, while greedy and T = 1.3 rows share every step."""
-    engine = SpeculativeEngine(TARGET, [noisy_copy(TARGET, noise=1.0, seed=7)], device="cpu")
+    engine = SpeculativeEngine(TARGET, [noisy_copy(TARGET, noise=1.0, seed=7)], device="cpu",
+                               selector="fixed")
     samples, handles = [], set()
     torch.manual_seed(0)
     with engine.batch(slots=24, max_length=32, num_draft_tokens=gamma, eos_token_id=[]) as batch:

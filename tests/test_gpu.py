@@ -286,6 +286,22 @@ def test_new_request_shapes_after_captures_replace_graphs_cleanly():
         assert out.sequences == [hf_greedy(target, p, n) for p in prompts]
 
 
+@pytest.mark.default_configuration
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_default_configuration_on_cuda_equals_generate_and_guards_each_request(compile):
+    """selector='auto' on CUDA (SPEC.md §8): the target-only arm's step is a graph of its own, the
+    guard reads lagged CUDA-event times (sync_every 8, queued ahead), the output is the target's;
+    a second request starts from the first one's measured arm costs."""
+    target, draft = tiny("llama", 0), tiny("llama", 1)
+    engine = SpeculativeEngine(target, [draft, "ngram"], gammas=[2, 4], compile=compile)
+    assert engine.arm_label(engine.target_only_arm) == "target@0"
+    for prompts, n in [(PROMPTS, 60), (PROMPTS[:1], 120)]:
+        out = engine.generate(prompts, max_new_tokens=n, eos_token_id=[])
+        assert out.sequences == [hf_greedy(target, p, n) for p in prompts]
+        assert out.stats.per_arm["target@0"].steps >= 1
+    assert engine.arm_costs  # measured by the first request's guard
+
+
 # ------------------------------------------------------------------ misuse on the CUDA path (SPEC.md §5)
 @pytest.mark.parametrize("do_sample", [False, True])
 @pytest.mark.parametrize("drafter", ["model", "ngram", "none"])

@@ -128,7 +128,7 @@ def _e2e_parser(sub: Any) -> None:
     p.add_argument("--batch-sizes", default="1", help="comma-separated")
     p.add_argument("--systems", default=None,
                    help="comma-separated subset of: hf, hf-static, hf-assisted, hf-lookup, flashspec, "
-                        "flashspec-fixed, flashspec-bandit (default all)")
+                        "flashspec-fixed, flashspec-bandit, flashspec-auto (default all)")
     p.add_argument("--hf-prompts-per-domain", type=int, default=None,
                    help="run transformers' systems on only the first N batches of each domain (they are "
                         "10-40x slower on a GPU); paired ratios use the batches both ran. Default: all")
@@ -350,7 +350,8 @@ def bench_select(args: argparse.Namespace) -> None:
         from .corpus import store_drafters
 
         drafts = store_drafters(drafts, Path(args.corpus), load_tokenizer(args.tokenizer or target))
-    engine = _engine(target, drafts, args.tokenizer, args.device, args.dtype, gammas=gammas, compile=args.compile)
+    engine = _engine(target, drafts, args.tokenizer, args.device, args.dtype, gammas=gammas, selector="fixed",
+                     compile=args.compile)  # the arms as given; each bandit is installed by run_selection
     results = select.run_selection(
         engine, Path(args.corpus), bandits=bandits, prompts_per_domain=args.prompts_per_domain,
         prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -473,6 +474,7 @@ def bench_serve(args: argparse.Namespace) -> None:
     engine = _engine(args.target, drafts, args.tokenizer, args.device, args.dtype, compile=args.compile)
     results = serve.run(engine, corpus=Path(args.corpus), num_draft_tokens=args.num_draft_tokens, seed=args.seed,
                         reference_batch=args.reference_batch,
-                        config={"target": args.target, "drafts": drafts, "compile": args.compile}, **options)
+                        config={"target": args.target, "drafts": drafts, "compile": args.compile,
+                                "selector": "auto (the server's default: target-only arm and guard)"}, **options)
     serve.write(results, args.out)
     print(serve.summarize(results))

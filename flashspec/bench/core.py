@@ -38,7 +38,7 @@ def run_core(
 ) -> dict[str, Any]:
     """Time target-only and speculative decoding of the same prompts; return raw rows."""
     baseline = SpeculativeEngine(target, [], tokenizer=tokenizer)
-    speculative = SpeculativeEngine(target, [drafter], tokenizer=tokenizer)
+    speculative = SpeculativeEngine(target, [drafter], selector="fixed", tokenizer=tokenizer)
     warm = tokenizer("def f(x):\n    return")["input_ids"]
     for engine in (baseline, speculative):  # first calls allocate; keep them out of the timing
         engine.generate([warm], max_new_tokens=4)

@@ -173,6 +173,7 @@ class Setup:
             else _plain_drafter(self.drafters[n])
             for n in names
         ]
+        options.setdefault("selector", "fixed")  # a system names its selector; fixed arms run every step
         engine = SpeculativeEngine(self.target, drafters, gammas=gammas, compile=self.compile, **options)
         for n, d in zip(names, engine.drafters):  # the engine names self-drafters "early-exit:N": use ours
             d.name = n
@@ -260,15 +261,19 @@ class FlashSpecSystem(System):
         if self.selector is None:
             return super().warm(prompts, new_tokens, temperature, seed)
         engine = self.engine
-        for arm in range(len(engine.arms)):
-            engine.selection = engine.new_selection("fixed", arm=arm)
-            super().warm(prompts, new_tokens, temperature, seed)
-        for arm, (d, _) in enumerate(engine.arms):
-            other = next((b for b, (e, _) in enumerate(engine.arms) if e != d), None)
-            if isinstance(engine.drafters[d], ModelDrafter) and other is not None:
-                # the first proposal feeds the prompt; the third is a switch back
-                engine.selection = engine.new_selection(ScriptedSelector(len(engine.arms), [arm, other, arm]))
+        slack, engine.slack = engine.slack, (None if engine.slack is None else 1e9)  # every arm runs; the
+        try:  # guard still measures what each arm's step costs (engine.arm_costs, SPEC §8)
+            for arm in range(len(engine.arms)):
+                engine.selection = engine.new_selection("fixed", arm=arm)
                 super().warm(prompts, new_tokens, temperature, seed)
+            for arm, (d, _) in enumerate(engine.arms):
+                other = next((b for b, (e, _) in enumerate(engine.arms) if e != d), None)
+                if d is not None and isinstance(engine.drafters[d], ModelDrafter) and other is not None:
+                    # the first proposal feeds the prompt; the third is a switch back
+                    engine.selection = engine.new_selection(ScriptedSelector(len(engine.arms), [arm, other, arm]))
+                    super().warm(prompts, new_tokens, temperature, seed)
+        finally:
+            engine.slack = slack
         engine.selection = engine.new_selection(self.selector, **self.selector_options)
 
     def generate(self, prompts, new_tokens, temperature, seed, context):
@@ -362,6 +367,16 @@ def _flashspec_bandit(s: Setup) -> list[System]:
                             settings={"selector": BANDIT_SELECTOR, "arms": arms, "context": "domain"})]
 
 
+def _flashspec_auto(s: Setup) -> list[System]:
+    options = {"seed": s.seed}
+    engine = s.engine(list(s.drafters), gammas=s.gammas, selector="auto", selector_options=options)
+    arms = [engine.arm_label(a) for a in range(len(engine.arms))]
+    return [FlashSpecSystem("flashspec auto", "flashspec-auto", [s.target, *s.model_drafters.values()],
+                            engine=engine, per_context=True, selector="auto", selector_options=options,
+                            settings={"selector": "auto", "arms": arms, "context": "domain",
+                                      "slack": engine.slack})]
+
+
 @dataclass(frozen=True)
 class Family:
     """A kind of system: ``build`` turns the setup into its systems (one per drafter, arm, ...)."""
@@ -385,6 +400,9 @@ FAMILIES = [
            needs_drafter=True),
     Family("flashspec-bandit", f"FlashSpec, {BANDIT_SELECTOR} sampling over all drafters × γ, one state per "
            "domain, fresh for each regime × batch cell", _flashspec_bandit, needs_drafter=True),
+    Family("flashspec-auto", "FlashSpec's default configuration: selector 'auto' (Thompson over all drafters × γ "
+           "and the target-only arm, behind the never-slower guard, SPEC §8), one state per domain, fresh for "
+           "each regime × batch cell", _flashspec_auto, needs_drafter=True),
 ]
 FAMILY_NAMES = [f.name for f in FAMILIES]
 
@@ -641,6 +659,7 @@ def run(
                              f"{regime_name} b{batch}", hf_prompts_per_domain)
             cell.update(regime=regime_name, batch_size=batch, forward_costs=costs)
             cell["summary"] = _summarize_cell(cell, chosen, names, costs)
+            cell["never_slower"] = _never_slower(cell["calls"], chosen)
             if temperature == 0:
                 cell["greedy"] = _greedy_check(cell["calls"])
             results["cells"].append(cell)
@@ -773,6 +792,43 @@ def _summarize_cell(cell: dict[str, Any], chosen: list[System], names: list[str]
             rows.append(row)
     _add_step_cost_predictions(rows)
     return rows
+
+
+def _never_slower(calls: list[dict[str, Any]], chosen: list[System], floor: float = 0.97,
+                  margin: float = 0.05) -> dict[str, Any] | None:
+    """Issue 23's check of every learning FlashSpec system (bandit, auto): each call's tokens/s
+    over FlashSpec target-only's on the same batch (the lowest, and how many fall below
+    ``floor``), and per domain the median of those ratios over the best fixed arm's median
+    (chosen in hindsight on this very workload), against ``1 - margin`` where that arm pays."""
+    base = {(c["domain"], c["group"]): c["tokens_per_second"] for c in calls if c["system"] == "flashspec"}
+    if not base:
+        return None
+    fixed = [s.name for s in chosen if s.family == "flashspec-fixed"]
+    report: dict[str, Any] = {"floor": floor, "margin": margin, "systems": {}}
+    for system in [s for s in chosen if s.family in ("flashspec-auto", "flashspec-bandit")]:
+        own = [c for c in calls if c["system"] == system.name and (c["domain"], c["group"]) in base]
+        if not own:
+            continue
+        ratios = [{"domain": c["domain"], "group": c["group"],
+                   "ratio": c["tokens_per_second"] / base[(c["domain"], c["group"])]} for c in own]
+        domains = {}
+        for domain in dict.fromkeys(r["domain"] for r in ratios):
+            mine = statistics.median(r["ratio"] for r in ratios if r["domain"] == domain)
+            best_name, best = None, None
+            for name in fixed:
+                theirs = [c["tokens_per_second"] / base[(c["domain"], c["group"])] for c in calls
+                          if c["system"] == name and c["domain"] == domain and (c["domain"], c["group"]) in base]
+                if theirs and (best is None or statistics.median(theirs) > best):
+                    best_name, best = name, statistics.median(theirs)
+            domains[domain] = {"median_ratio": mine, "best_fixed": best_name, "best_fixed_ratio": best,
+                               "of_best_fixed": mine / best if best else None,
+                               "speculation_pays": best is not None and best > 1.0}
+        lowest = min(ratios, key=lambda r: r["ratio"])
+        report["systems"][system.name] = {
+            "calls": len(ratios), "lowest": lowest, "below_floor": [r for r in ratios if r["ratio"] < floor],
+            "domains": domains,
+        }
+    return report
 
 
 def _add_step_cost_predictions(rows: list[dict[str, Any]]) -> None:
@@ -956,6 +1012,30 @@ def _cell_lines(results: dict[str, Any], cell: dict[str, Any]) -> list[str]:
             lines.append(f"* {r['system']}: choosing arms and learning took {r['selection_us_per_step']:.0f} µs "
                          f"of host time per step ({r['selection_share_of_step']:.2%} of the step time).")
     if arms:
+        lines.append("")
+    never = cell.get("never_slower")
+    if never and never["systems"]:
+        lines += [f"Never slower (issue 23): each call's tokens/s over FlashSpec target-only's on the same batch; "
+                  f"goal: no call below {never['floor']:.2f}×, and where the best fixed arm (chosen in hindsight) "
+                  f"pays, within {never['margin']:.0%} of it.", "",
+                  "| system | calls | lowest call | calls below | " + " | ".join(
+                      f"{d}: median / best fixed" for d in domains if d != "all") + " |",
+                  "|---|---|---|---|" + "---|" * len([d for d in domains if d != "all"])]
+        for name, n in never["systems"].items():
+            low = n["lowest"]
+            parts = []
+            for d in domains:
+                if d == "all":
+                    continue
+                x = n["domains"].get(d)
+                if x is None:
+                    parts.append("—")
+                    continue
+                best = (f"{x['best_fixed']} {x['best_fixed_ratio']:.2f}×" if x["best_fixed"] else "no fixed arm")
+                of = f" = {x['of_best_fixed']:.2f}" if x["of_best_fixed"] is not None else ""
+                parts.append(f"{x['median_ratio']:.2f}× / {best}{of}" + ("" if x["speculation_pays"] else " (none pays)"))
+            lines.append(f"| {name} | {n['calls']} | {low['ratio']:.2f}× ({low['domain']} #{low['group']}) | "
+                         f"{len(n['below_floor'])} | " + " | ".join(parts) + " |")
         lines.append("")
     greedy = cell.get("greedy")
     if greedy:

@@ -164,7 +164,7 @@ def bench_pair(
     """Target-only vs speculative for one target/drafter pair on prompts by domain."""
     result: dict[str, Any] = {"name": name, "gamma": gamma, "compile": compile, "max_new_tokens": max_new_tokens}
     baseline = SpeculativeEngine(target, [], compile=compile)
-    speculative = SpeculativeEngine(target, [drafter] if drafter is not None else [], compile=compile)
+    speculative = SpeculativeEngine(target, [drafter] if drafter is not None else [], selector="fixed", compile=compile)
     warm = next(iter(prompts.values()))[0]
     started = time.perf_counter()
     for engine in (baseline, speculative):  # compile and capture outside the timings
@@ -294,7 +294,7 @@ def float32_equality(target_spec: Any, drafter_spec: Any, prompts: list[list[int
     """Greedy speculative vs target-only outputs with float32 models: expected identical."""
     target, drafter = loader(target_spec, torch.float32), loader(drafter_spec, torch.float32)
     base = SpeculativeEngine(target, [])
-    spec = SpeculativeEngine(target, [drafter])
+    spec = SpeculativeEngine(target, [drafter], selector="fixed")
     a = [base.generate([p], max_new_tokens=max_new_tokens, eos_token_id=[]).sequences[0] for p in prompts]
     b = [spec.generate([p], max_new_tokens=max_new_tokens, num_draft_tokens=gamma, eos_token_id=[]).sequences[0]
          for p in prompts]

@@ -196,10 +196,10 @@ def equality_tiny(tp: TensorParallel, device: torch.device) -> dict[str, Any]:
         case: dict[str, Any] = {}
         for kind, drafter in drafters.items():
             kwargs = dict(max_new_tokens=24, num_draft_tokens=3, eos_token_id=[])
-            got = SpeculativeEngine(model, drafter, device=device).generate(PROMPTS, **kwargs).sequences
+            got = SpeculativeEngine(model, drafter, selector="fixed", device=device).generate(PROMPTS, **kwargs).sequences
             row: dict[str, Any] = {"ranks_agree": _same_everywhere(got)}
             if reference is not None:
-                expected = SpeculativeEngine(reference, drafter, device=device).generate(PROMPTS, **kwargs).sequences
+                expected = SpeculativeEngine(reference, drafter, selector="fixed", device=device).generate(PROMPTS, **kwargs).sequences
                 row["equal_to_one_process"] = got == expected
                 row["drift"] = _drift(got, expected)
             case[kind] = row
@@ -222,14 +222,14 @@ def equality_shaped(tp: TensorParallel, device: torch.device, smoke: bool, new_t
     expected: dict[str, list[int]] = {}
     if tp.rank == 0:
         for kind, drafters in (("none", []), ("model", [drafter])):
-            engine = SpeculativeEngine(target, drafters, device=device)
+            engine = SpeculativeEngine(target, drafters, selector="fixed", device=device)
             expected[kind] = engine.generate([prompt], **kwargs).sequences[0]
             del engine
         _free(device)
     dist.barrier()
     shard_model(target)
     for kind, drafters in (("none", []), ("model", [drafter])):
-        got = SpeculativeEngine(target, drafters, device=device).generate([prompt], **kwargs).sequences[0]
+        got = SpeculativeEngine(target, drafters, selector="fixed", device=device).generate([prompt], **kwargs).sequences[0]
         row: dict[str, Any] = {"ranks_agree": _same_everywhere(got)}
         if tp.rank == 0:
             row["equal_to_one_process"] = got == expected[kind]
@@ -283,7 +283,7 @@ def distribution(tp: TensorParallel, device: torch.device, samples: int) -> dict
     for case in DIST_CASES:
         kind, temperature, top_k, top_p, gamma = case
         drafters = {"model": [drafter], "ngram": ["ngram"], "none": []}[kind]
-        engine = SpeculativeEngine(model, drafters, device=device)
+        engine = SpeculativeEngine(model, drafters, selector="fixed", device=device)
         started = time.perf_counter()
         out = engine.generate([DIST_PROMPT] * samples, max_new_tokens=4, do_sample=True, temperature=temperature,
                               top_k=top_k, top_p=top_p, num_draft_tokens=gamma, eos_token_id=[], seed=1234)
@@ -344,7 +344,7 @@ def throughput(tp: TensorParallel, device: torch.device, options: TPOptions) -> 
                for _ in range(options.prompts)]
     engines = {
         "target_only": SpeculativeEngine(target, [], device=device, compile=options.compile),
-        "speculative": SpeculativeEngine(target, [drafter], device=device, compile=options.compile),
+        "speculative": SpeculativeEngine(target, [drafter], selector="fixed", device=device, compile=options.compile),
     }
     started = time.perf_counter()
     for engine in engines.values():  # compile and capture outside the timings

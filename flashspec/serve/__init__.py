@@ -198,7 +198,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--draft", action="append", default=[],
                    help="drafter: folder, hub id, .gguf file, 'ngram', 'early-exit:N', 'feature:DIR' or "
                         "'shallow:DIR' (repeatable)")
-    p.add_argument("--selector", default="fixed", help="fixed, ucb1, thompson, ... (SPEC.md §8)")
+    p.add_argument("--selector", default="auto",
+                   help="auto (default: Thompson over the drafter arms and the target alone, never-slower guard), "
+                        "fixed, ucb1, thompson, ... (SPEC.md §8)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the target's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -55,7 +55,8 @@ def greedy(corpus, models, tmp_path_factory):
 
 
 EXPECTED_SYSTEMS = ["hf", "hf-static", "hf-assisted tiny", "hf-lookup", "flashspec", "flashspec tiny@2",
-                    "flashspec tiny@3", "flashspec ngram@2", "flashspec ngram@3", "flashspec bandit"]
+                    "flashspec tiny@3", "flashspec ngram@2", "flashspec ngram@3", "flashspec bandit",
+                    "flashspec auto"]
 
 
 def test_prompts_come_from_the_heldout_part_with_the_regime_lengths(corpus):
@@ -141,11 +142,12 @@ def test_greedy_outputs_are_identical_across_systems_in_float32(greedy):
 
 def test_bandit_logs_one_arm_per_step(greedy):
     results, _, _ = greedy
-    arms = set(next(s for s in results["systems"] if s["name"] == "flashspec bandit")["arms"])
+    arms = {s["name"]: set(s["arms"]) for s in results["systems"] if s["name"] in ("flashspec bandit", "flashspec auto")}
+    assert arms["flashspec auto"] == arms["flashspec bandit"] | {"target@0"}
     for cell in results["cells"]:
         for call in cell["calls"]:
-            if call["system"] == "flashspec bandit":
-                assert len(call["arms"]) == len(call["step_seconds"]) and set(call["arms"]) <= arms
+            if call["system"] in arms:
+                assert len(call["arms"]) == len(call["step_seconds"]) and set(call["arms"]) <= arms[call["system"]]
                 assert call["selector_seconds"] > 0
             else:
                 assert "arms" not in call and "selector_seconds" not in call
@@ -400,3 +402,30 @@ def test_scripted_selector_plays_its_script_and_rejects_bad_arms():
         bench_e2e.ScriptedSelector(2, [2])
     with pytest.raises(ValueError, match="arms in"):
         bench_e2e.ScriptedSelector(2, [])
+
+
+def test_the_default_configuration_is_checked_call_by_call_against_target_only(corpus, models):
+    """flashspec-auto (issue 23): each call's ratio to FlashSpec target-only on the same batch, the
+    lowest and those below 0.97×, and per domain the median against the best fixed arm's."""
+    target, drafter = models
+    regimes = {"long": REGIMES["long"]}
+    prompts = make_prompts(regimes, 2, tokenizer=CharTokenizer(), corpus=corpus)
+    results = bench_e2e.run(target, {"tiny": drafter, "ngram": "ngram"}, prompts, regimes, gammas=[2],
+                            systems=["flashspec", "flashspec-fixed", "flashspec-auto"], progress=False)
+    system = next(s for s in results["systems"] if s["name"] == "flashspec auto")
+    assert system["arms"] == ["tiny@2", "ngram@2", "target@0"] and system["slack"] == 0.03
+    cell = results["cells"][0]
+    assert all(g["differing"] == [] for g in cell["greedy"]["systems"].values())
+    report = cell["never_slower"]["systems"]["flashspec auto"]
+    base = {(c["domain"], c["group"]): c["tokens_per_second"] for c in cell["calls"] if c["system"] == "flashspec"}
+    ratios = [c["tokens_per_second"] / base[(c["domain"], c["group"])] for c in cell["calls"]
+              if c["system"] == "flashspec auto"]
+    assert report["calls"] == len(ratios) == len(DOMAINS) * 2
+    assert report["lowest"]["ratio"] == pytest.approx(min(ratios))
+    assert len(report["below_floor"]) == sum(r < 0.97 for r in ratios)
+    for domain, d in report["domains"].items():
+        assert d["best_fixed"] in ("flashspec tiny@2", "flashspec ngram@2")
+        assert d["of_best_fixed"] == pytest.approx(d["median_ratio"] / d["best_fixed_ratio"])
+    assert "bandit" not in cell["never_slower"]["systems"]
+    md = bench_e2e.summarize(results)
+    assert "Never slower (issue 23)" in md and "| flashspec auto | 6 |" in md
