@@ -149,7 +149,7 @@ def model_identity(model: Any) -> str:
 
 def device_name(device: torch.device) -> str:
     """A readable name of the hardware a forward runs on: the GPU's name and compute capability
-    on CUDA; the CPU's model name and the threads torch uses elsewhere."""
+    on CUDA; the CPU's model name, the threads torch uses and its vector instruction set elsewhere."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)
@@ -162,7 +162,9 @@ def device_name(device: torch.device) -> str:
                 break
     except OSError:
         pass
-    return f"{device.type}: {cpu}, {torch.get_num_threads()} threads"
+    # torch's vector instruction set (ATen's CPU capability) too: AVX2 and AVX-512 builds of the
+    # same kernels differ in cost, and ATEN_CPU_CAPABILITY can lower it on the same CPU
+    return f"{device.type}: {cpu}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def calibration_dir() -> Path:

@@ -291,3 +291,10 @@ def test_the_command_without_a_drafter_gives_the_free_drafter_bound(timed, tmp_p
 def test_the_command_checks_its_flags_before_loading(flags, message, capsys):
     assert main(["calibrate", "--target", "/nonexistent/model", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_cpu_device_name_says_which_vector_instructions_torch_uses():
+    """AVX2 and AVX-512 kernels of one CPU differ in cost (ATEN_CPU_CAPABILITY can lower them), so
+    the calibration key's device names torch's CPU capability (SPEC.md §13)."""
+    name = calibrate.device_name(torch.device("cpu"))
+    assert name.endswith(", " + torch.backends.cpu.get_cpu_capability()) and "threads" in name
