@@ -58,7 +58,7 @@ def test_choice_explains_every_step_and_what_it_kept():
     assert "dtype: bfloat16 (test)" in text and "target alone 100.0 ms" in text
     assert "bad cannot pay on this machine" in text and "drafting with good at γ = 1, 2" in text
     assert choice.speedup("good", 2, ALPHA_LOW) == pytest.approx((1 + 0.6 + 0.36) / 1.2)
-    assert choice.speculates and not Choice(torch.float32, "x").speculates
+    assert choice.gammas and not Choice(torch.float32, "x").gammas
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -78,7 +78,7 @@ class SlowDrafter:
 def test_a_drafter_that_cannot_pay_is_dropped_and_the_engine_decodes_alone():
     target = tiny_model("llama")
     engine, choice = calibrated_engine(target, [SlowDrafter()], max_gamma=2, progress=False)
-    assert choice.dropped == ["slow"] and not choice.speculates and engine.drafters == []
+    assert choice.dropped == ["slow"] and not choice.gammas and engine.drafters == []
     assert all(choice.speedup("slow", g, ALPHA_HIGH) <= 1 for g in (1, 2))
     assert "speculation cannot pay here" in choice.explain()
     assert engine.choice is None  # (SpeculativeEngine.calibrated sets it)

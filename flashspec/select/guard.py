@@ -128,10 +128,3 @@ class Guard:
         step = self.base_seconds / self.base_steps
         return {a: self.arm_seconds[a] / self.arm_steps[a] / step for a in range(len(self.gammas))
                 if self.arm_steps[a] and a != self.baseline}
-
-    def excess(self) -> float | None:
-        """How much slower than the target alone the observed steps were, as a fraction
-        (``S · r₀ / N − 1``; negative when drafting paid), or None before a target-only step."""
-        if not self.base_steps or not self.tokens:
-            return None
-        return self.seconds * (self.base_tokens / self.base_seconds) / self.tokens - 1
