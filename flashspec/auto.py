@@ -169,11 +169,17 @@ def calibrated_engine(target: Any, drafters: Any = (), *, device: str | torch.de
     from .drafters import ModelDrafter
     from .engine import SpeculativeEngine
     from .models import DTYPES, load_model, load_tokenizer
-    from .request import MAX_DRAFT_TOKENS
+    from .request import MAX_DRAFT_TOKENS, parse_device
 
     if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or not 1 <= max_gamma <= MAX_DRAFT_TOKENS:
         raise ValueError(f"max_gamma must be an integer from 1 to {MAX_DRAFT_TOKENS}; got {max_gamma!r}.")
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = parse_device(device)  # checked before anything loads
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or a torch dtype); got {dtype!r}.")
+        dtype = DTYPES[dtype]
+    elif dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or a torch dtype); got {dtype!r}.")
     curves: dict[str, CostCurve] = {}
     if isinstance(target, str) or hasattr(target, "__fspath__"):
         spec = str(target)

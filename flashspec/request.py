@@ -58,14 +58,8 @@ class EngineOptions:
     compile: bool
 
 
-def parse_engine_options(
-    *, drafters: Any, gammas: Any, selector_options: Any, share_selector: Any, tokenizer: Any, device: Any,
-    dtype: Any, compile: Any,
-) -> EngineOptions:
-    """Check the constructor's arguments (before any model loads) and return them normalised."""
-    for name, value in (("share_selector", share_selector), ("compile", compile)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False; got {value!r}.")
+def parse_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` (None: CUDA when available, else the CPU), else a ValueError."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -74,6 +68,18 @@ def parse_engine_options(
         raise ValueError(f"device must be a torch device or its name ('cpu', 'cuda', 'cuda:1'); got {device!r}.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} was asked for, but this machine has no CUDA GPU that PyTorch can use.")
+    return device
+
+
+def parse_engine_options(
+    *, drafters: Any, gammas: Any, selector_options: Any, share_selector: Any, tokenizer: Any, device: Any,
+    dtype: Any, compile: Any,
+) -> EngineOptions:
+    """Check the constructor's arguments (before any model loads) and return them normalised."""
+    for name, value in (("share_selector", share_selector), ("compile", compile)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False; got {value!r}.")
+    device = parse_device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):

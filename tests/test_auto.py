@@ -144,3 +144,15 @@ def test_generate_compare_prints_the_choice_and_why(tmp_path, capsys):
 
 def test_module_is_exported():
     assert auto.calibrated_engine is calibrated_engine
+
+
+@pytest.mark.parametrize("bad", ["-1", "gpu", 3.5])
+def test_a_bad_device_is_refused_before_anything_loads(bad):
+    with pytest.raises(ValueError, match="device"):
+        calibrated_engine("/nonexistent/model.gguf", ["ngram"], device=bad)
+
+
+@pytest.mark.parametrize("bad", ["bf16", 16])
+def test_a_bad_dtype_is_refused_before_anything_loads(bad):
+    with pytest.raises(ValueError, match="dtype"):
+        calibrated_engine("/nonexistent/model.gguf", ["ngram"], dtype=bad)
