@@ -227,35 +227,16 @@ def _read_cached(path: Path, key: dict[str, Any], max_width: int) -> CostCurve |
     """The curve cached at ``path`` when it holds this key and at least ``max_width`` widths;
     None when there is none or it was measured under another key (or too narrow); a file that
     cannot be read as a curve is reported in a warning and ignored (it is then re-measured)."""
-    if not path.is_file():
+    record = _read_json(path, key)
+    if record is None or len(record["seconds"]) < max_width:
         return None
-    try:
-        record = json.loads(path.read_text())
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
-            raise ValueError(f"not a calibration file of format {FORMAT}")
-        curve = CostCurve(seconds=tuple(record["seconds"]), **record["key"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        warnings.warn(f"The calibration cache file {path} is unreadable ({error}); measuring again.",
-                      RuntimeWarning, stacklevel=3)
-        return None
-    if curve.key() != key or curve.max_width < max_width:
-        return None
-    return curve
+    return CostCurve(seconds=tuple(record["seconds"]), **key)
 
 
 def _write_cached(path: Path, curve: CostCurve) -> None:
     """Write atomically (a temporary file renamed over ``path``), so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"format": FORMAT, "key": curve.key(), "seconds": list(curve.seconds),
-              "seconds_by_width": {str(w): s for w, s in enumerate(curve.seconds, start=1)}}
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as f:
-            f.write(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _write_json(path, curve.key(), {"seconds": list(curve.seconds),
+                                    "seconds_by_width": {str(w): s for w, s in enumerate(curve.seconds, start=1)}})
 
 
 # ----------------------------------------------------------------------------- measuring
