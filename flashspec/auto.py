@@ -24,7 +24,7 @@ from .calibrate import (CostCurve, _cache_path, _read_json, _versions, _write_js
                         measure, model_identity)
 
 __all__ = ["ALPHA_HIGH", "ALPHA_LOW", "Choice", "calibrated_engine", "choose_dtype", "measure_steps",
-           "speedup_from_steps"]
+           "seed_guard_priors", "speedup_from_steps"]
 
 ALPHA_LOW = 0.6  # an acceptance rate most drafters reach on most text
 ALPHA_HIGH = 0.9  # one only a good drafter on easy text reaches: drafting that loses even here cannot pay
@@ -44,6 +44,9 @@ class Choice:
     step_seconds: dict[str, list[float]] = field(default_factory=dict)  # per drafter: a step at γ = 1 … γ_max
     gammas: dict[str, list[int]] = field(default_factory=dict)  # per drafter kept: its draft lengths
     dropped: list[str] = field(default_factory=list)  # drafters that cannot pay here
+    # per drafter: what its first proposal of a request (over the CONTEXT-token prompt) added to a
+    # step: its catch-up on the prompt, which the never-slower guard prices (SPEC.md §8)
+    catch_up_seconds: dict[str, float] = field(default_factory=dict)
 
     def speedup(self, drafter: str, gamma: int, alpha: float) -> float:
         """Predicted speedup of ``drafter`` at ``gamma`` over the target alone at acceptance ``alpha``."""
@@ -64,6 +67,9 @@ class Choice:
                 lines.append(f"  {name:<24} {g:>2} {1e3 * s:>8.1f} {s / self.target_step:>8.2f} "
                              f"{self.speedup(name, g, ALPHA_LOW):>6.2f}× {self.speedup(name, g, ALPHA_HIGH):>6.2f}×"
                              f"{mark}")
+        if self.catch_up_seconds:
+            costs = ", ".join(f"{n} {1e3 * c:.1f} ms" for n, c in self.catch_up_seconds.items())
+            lines.append(f"  a drafter's first proposal of a request also feeds the prompt ({CONTEXT} tokens): {costs}")
         if self.gammas:
             kept = ", ".join(f"{n} at γ = {', '.join(map(str, g))}" for n, g in self.gammas.items())
             lines.append(f"drafting with {kept} (marked <: the best γ at α = {ALPHA_LOW} and at α = {ALPHA_HIGH}), "
@@ -115,16 +121,17 @@ def _drafter_identity(drafter: Any) -> str:
 
 
 def measure_steps(engine: Any, *, context: int = CONTEXT, steps: int = STEPS, use_cache: bool = True,
-                  progress: bool = True) -> tuple[float, dict[str, list[float]]]:
+                  progress: bool = True) -> tuple[float, dict[str, list[float]], dict[str, float]]:
     """The median seconds of one decode step (batch 1, after ``context`` prompt tokens) of every
     arm of ``engine``: the target-only step, and per drafter the steps of each of its γ arms in
-    order. ``engine`` must have been built with ``selector="fixed"`` and ``target_only=True``
+    order; and per drafter with a cache the median of what its arms' first steps cost beyond their
+    others (the catch-up on the prompt, SPEC.md §4). ``engine`` must have been built with ``selector="fixed"`` and ``target_only=True``
     (:func:`calibrated_engine` makes one); its selection is replaced while timing. Cached on disk
     per target, drafters, device, dtype and library versions, like the forward curves."""
     from tqdm.auto import tqdm
 
     param = next(engine.target.parameters())
-    key = {"kind": "decode steps", "model": model_identity(engine.target), "device": device_name(param.device),
+    key = {"kind": "decode steps and first steps", "model": model_identity(engine.target), "device": device_name(param.device),
            "dtype": str(param.dtype).removeprefix("torch."), **_versions(),
            "drafters": [_drafter_identity(d) for d in engine.drafters],
            "arms": [engine.arm_label(a) for a in range(len(engine.arms))], "context": context, "steps": steps}
@@ -132,20 +139,23 @@ def measure_steps(engine: Any, *, context: int = CONTEXT, steps: int = STEPS, us
     record = _read_json(path, key) if use_cache else None
     if record is None:
         ids = torch.randint(0, engine.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-        seconds = []
+        seconds, first = [], []
         for arm in tqdm(range(len(engine.arms)), desc="timing decode steps", unit="arm", disable=not progress):
             engine.selection = engine.new_selection("fixed", arm=arm)
             out = engine.generate([ids], max_new_tokens=steps + 1, eos_token_id=[])  # `steps` decode steps
             times = [r.seconds for r in out.stats.step_log if r.rows]
             seconds.append(statistics.median(times[1:] or times))  # (a drafter accepted whole: fewer steps)
-        record = {"seconds": seconds}
+            first.append(times[0])
+        record = {"seconds": seconds, "first": first}
         _write_json(path, key, record)
-    seconds = record["seconds"]
+    seconds, first = record["seconds"], record["first"]
     by_arm = {engine.arm_label(a): s for a, s in enumerate(seconds)}
     base = by_arm["target@0"]
     per_drafter = {d.name: [by_arm[engine.arm_label(a)] for a, (i, _) in enumerate(engine.arms) if i == n]
                    for n, d in enumerate(engine.drafters)}
-    return base, per_drafter
+    catch_ups = {d.name: statistics.median(max(0.0, first[a] - seconds[a]) for a, (i, _) in enumerate(engine.arms)
+                                           if i == n) for n, d in enumerate(engine.drafters) if hasattr(d, "catch_up")}
+    return base, per_drafter, catch_ups
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -220,7 +230,8 @@ def calibrated_engine(target: Any, drafters: Any = (), *, device: str | torch.de
     probe = SpeculativeEngine(target, drafters, gammas=list(range(1, max_gamma + 1)), selector="fixed",
                               target_only=True, slack=None, tokenizer=tokenizer, device=device, dtype=dtype,
                               compile=compile)
-    choice.target_step, choice.step_seconds = measure_steps(probe, use_cache=use_cache, progress=progress)
+    choice.target_step, choice.step_seconds, choice.catch_up_seconds = measure_steps(
+        probe, use_cache=use_cache, progress=progress)
     kept, gammas = [], set()
     for spec, drafter in zip(drafters, probe.drafters):
         name = drafter.name
@@ -236,4 +247,23 @@ def calibrated_engine(target: Any, drafters: Any = (), *, device: str | torch.de
                                device=device, dtype=dtype, compile=compile, **options)
     for drafter, name in zip(engine.drafters, [d.name for d in probe.drafters if d.name in choice.gammas]):
         drafter.name = name  # the probe's names (a model handed over would be renamed from its config)
+    seed_guard_priors(engine, choice)
     return engine, choice
+
+
+def seed_guard_priors(engine: Any, choice: Choice) -> None:
+    """Start ``engine``'s never-slower guard from the measured costs instead of its cautious
+    priors (SPEC.md §8): each arm's step and each drafter's catch-up on a prompt, in target-only
+    steps (the catch-up of the calibration's prompt stands for its width class)."""
+    from .select.guard import bucket
+
+    width = CONTEXT + 1  # the first proposal feeds the prompt and the first new token
+    for a, (d, g) in enumerate(engine.arms):
+        if d is None:
+            continue
+        name = engine.drafters[d].name
+        if name in choice.step_seconds and g is not None and g <= len(choice.step_seconds[name]):
+            engine.arm_costs[a] = choice.step_seconds[name][g - 1] / choice.target_step
+        if name in choice.catch_up_seconds:
+            ratio = choice.catch_up_seconds[name] / choice.target_step * bucket(width) / width
+            engine.catch_up_costs[(d, bucket(width))] = ratio

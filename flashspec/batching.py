@@ -112,7 +112,8 @@ class _BatchRun(_Run):
         self.verify_uniforms = ws.random[:, self.gamma :]
         self.vocab_size = plan.target.model.config.vocab_size
         self._features = {} if ws.hidden is None else {"hidden_out": ws.hidden}
-        self.chosen, self.proposed = [], []
+        self.chosen, self.proposed, self.caught_up = [], [], []
+        self._catching_up = 0
         from .loop import _StepClock
 
         self.clock = _StepClock(device)
@@ -187,11 +188,18 @@ class _BatchRun(_Run):
         one = slice(b, b + 1)
         zeros = torch.zeros(1, dtype=torch.long, device=device)
         features = {} if ws.hidden is None else {"hidden_out": {n: h[one] for n, h in ws.hidden.items()}}
+        # Fed at a warmed width (SPEC.md §12, "Prefill widths"): the positions past the prompt are
+        # zeros whose cache entries are overwritten before any query reads them (§3).
+        fed = self.prefill_width(width)
+        started = time.perf_counter()
         with self.plan.target.only_row(b):
-            logits = self.plan.target.forward(ws.tokens[one, :width], zeros, None,
+            logits = self.plan.target.forward(ws.tokens[one, :fed], zeros, None,
                                               logits_at=torch.tensor([[width - 1]], device=device), eager=True,
                                               **features)
-        if not bool(torch.isfinite(logits).all()):
+        finite = bool(torch.isfinite(logits).all())  # (a read-back: the prefill's time is known here)
+        if self.plan.guard is not None:  # the scale of an unmeasured catch-up's cost (SPEC.md §8)
+            self.plan.guard.prefill(time.perf_counter() - started, width)
+        if not finite:
             ws.active[b] = False
             raise ValueError(f"Generation stopped at the prefill: {FAULTS[1]}.")
         ws.random[b].uniform_(generator=row.generator)
@@ -205,7 +213,15 @@ class _BatchRun(_Run):
         for drafter in self.plan.drafters:
             prefill_row = getattr(drafter, "prefill_row", None)
             if prefill_row is not None:
-                prefill_row(history, b)
+                prefill_row(history, b, **({} if fed == width else {"width": fed}))
+
+    # The widths a joining prompt is fed at (set by Batch.warmup on CUDA, SPEC.md §12): a prompt
+    # is padded to the narrowest of them that holds it; () or a longer prompt: its own length.
+    prefill_widths: tuple[int, ...] = ()
+
+    def prefill_width(self, width: int) -> int:
+        """The width a prompt of ``width`` tokens is fed at."""
+        return next((w for w in self.prefill_widths if w >= width), width)
 
     def leave(self, b: int) -> None:
         """Free slot ``b`` (its row stops generating at once)."""
@@ -232,6 +248,7 @@ class _BatchRun(_Run):
         self.ws.steps_taken.zero_()
         self.chosen.clear()
         self.proposed.clear()
+        self.caught_up.clear()
         self.polled = 0
         self.stats.step_log.clear()
 
@@ -446,15 +463,23 @@ class Batch:
         self._run.leave(self._slot_of.pop(handle))
 
     @torch.inference_mode()
-    def warmup(self, prompt_lengths: Sequence[int] = (1,)) -> float:
+    def warmup(self, prompt_lengths: Sequence[int] = (1,), pad: bool | None = None) -> float:
         """Run a throw-away request of each prompt length through a prefill and one step of every
         arm, at this batch's fixed shapes (slots, capacity), so that later requests pay no lazy
         initialisation or compilation for them; returns the seconds it took. On a CPU without
-        ``compile`` nothing is compiled or captured: this only touches every code path once."""
+        ``compile`` nothing is compiled or captured: this only touches every code path once.
+
+        ``pad``: from then on, feed each joining prompt at the narrowest warmed length that holds
+        it, so that no prefill runs at a width the process has not run before (default: on CUDA,
+        where the first forward of a new width pays for choosing and loading kernels; SPEC.md
+        §12, "Prefill widths")."""
+        if pad is not None and not isinstance(pad, bool):
+            raise ValueError(f"pad must be True, False or None (default: on CUDA); got {pad!r}.")
         started = time.perf_counter()
         run = self._run
-        for width in prompt_lengths:
-            width = max(1, min(int(width), self.max_length - 2))
+        widths = sorted({max(1, min(int(width), self.max_length - 2)) for width in prompt_lengths})
+        run.prefill_widths = ()  # the warm-up's own prompts are fed at their lengths
+        for width in widths:
             handle = self.add([0] * width, max_new_tokens=2)
             saved = run.ws.max_new_tokens.clone()
             arms = range(len(self.engine.arms)) if self.engine.arms else [None]
@@ -471,6 +496,8 @@ class Batch:
             run.take_fault()
             self.cancel(handle)
             run.after_poll()
+        if run.ws.tokens.is_cuda if pad is None else pad:
+            run.prefill_widths = tuple(widths)
         return time.perf_counter() - started
 
     # ------------------------------------------------------------------ lifetime

@@ -15,6 +15,7 @@ from .bench.cli import add_parsers as add_bench_parsers
 from .demo import DEMO_PROMPT, DRAFTER_KINDS
 from .distill import add_parser as add_distill_parser
 from .models import DTYPES
+from .select.guard import DEFAULT_SLACK
 from .serve import add_parser as add_serve_parser
 
 __all__ = ["main"]
@@ -275,8 +276,8 @@ def _explain_speedup(engine: Any, stats: Any, speedup: float) -> None:
         print(f"the never-slower guard ran the target alone instead of a drafter on {stats.guard_refused} of "
               f"{stats.steps} steps")
     if speedup < 1.0:
-        print("drafting did not pay on this request: it ran within the guard's 3 % of the target alone "
-              "(plus one step); differences this small are mostly timing noise")
+        print(f"drafting did not pay on this request: it ran within the guard's {DEFAULT_SLACK:.0%} of the target "
+              "alone (plus one step); differences this small are mostly timing noise")
 
 
 

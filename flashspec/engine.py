@@ -60,7 +60,7 @@ class SpeculativeEngine:
             Default: with ``selector="auto"`` only. Needs ``reward="throughput"``.
         slack: with a target-only arm, the guard's δ: a step may draft only while the request
             stays within this fraction (plus one target step) of the target alone's time
-            (SPEC.md §8); ``"auto"`` (default) is 0.03 with a target-only arm and no guard
+            (SPEC.md §8); ``"auto"`` (default) is 0.02 with a target-only arm and no guard
             without one; ``None`` turns the guard off.
         gammas: draft lengths to choose among; the arms are every (drafter, γ) pair, drafter
             first. ``None``: one arm per drafter, with ``generate``'s ``num_draft_tokens``.
@@ -134,6 +134,9 @@ class SpeculativeEngine:
         # What each arm's step cost, in target-only steps, when a guard last measured it: the next
         # request's guard starts from these instead of its cautious prior (SPEC.md §8).
         self.arm_costs: dict[int, float] = {}
+        # And what a drafter's catch-up cost beyond a steady step, per (drafter, width class), in
+        # target-only steps (the first proposal of a request feeds the prompt; SPEC.md §8).
+        self.catch_up_costs: dict[tuple[int, int], float] = {}
         self.share_selector = options.share_selector
         self.selection = self.new_selection(selector, **options.selector_options)
         static_on_gpu = isinstance(self._target_lm, StaticLM) and self.target.device.type == "cuda"
@@ -361,6 +364,7 @@ class SpeculativeEngine:
         sequences = decode(plan, request, stats, progress=progress)
         if plan.guard is not None:
             self.arm_costs.update(plan.guard.ratios())
+            self.catch_up_costs.update(plan.guard.catch_up_ratios())
         return self._output(sequences, stats)
 
     # ------------------------------------------------------------------ continuous batching
@@ -410,7 +414,25 @@ class SpeculativeEngine:
         ``gammas`` tokens, or None without a target-only arm or slack (SPEC.md §8)."""
         if self.slack is None or self.target_only_arm is None:
             return None
-        return Guard(gammas, self.target_only_arm, self.slack, priors=self.arm_costs)
+        return Guard(gammas, self.target_only_arm, self.slack, priors=self.arm_costs,
+                     arm_drafters=[d for d, _ in self.arms], catch_up_priors=self.catch_up_costs,
+                     layer_ratios={d: self._layer_ratio(drafter) for d, drafter in enumerate(self.drafters)})
+
+    def _layer_ratio(self, drafter: Drafter) -> float:
+        """λ: the layers a catch-up of ``drafter`` runs over the target's — the scale of the prior
+        of a catch-up never measured, in units of the target's prefill (SPEC.md §8); 1 for a
+        drafter of unknown make."""
+        layers = len(self._target_lm.base.layers) if isinstance(self._target_lm, StaticLM) \
+            else getattr(self.target.config, "num_hidden_layers", None)
+        if isinstance(drafter, ModelDrafter):
+            own = getattr(drafter.model.config, "num_hidden_layers", None)
+        elif isinstance(drafter, (FeatureDrafter, ShallowDrafter)):
+            own = len(drafter.head.layers) if hasattr(drafter.head, "layers") else None
+        else:
+            own = None
+        if not own or not layers:
+            return 1.0
+        return own / layers
 
     def _workspace(self, shape: tuple[Any, ...]) -> Workspace:
         """The decode buffers for this shape: reused when it matches the last request (so are

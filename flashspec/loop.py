@@ -138,6 +138,9 @@ def decode(plan: Plan, request: Request, stats: GenerationStats, progress: bool 
     if plan.workspace.tokens.is_cuda:  # the first poll waits here anyway; the time is then the prefill's
         torch.cuda.synchronize(plan.workspace.tokens.device)
     stats.prefill_seconds = time.perf_counter() - start
+    if plan.guard is not None:  # the scale of an unmeasured catch-up's cost (SPEC.md §8)
+        seconds = stats.prefill_seconds if plan.tp is None else plan.tp.shared_floats([stats.prefill_seconds])[0]
+        plan.guard.prefill(seconds, request.longest)
     forward_before = run.forward_seconds()
     with tqdm(total=run.budget, disable=not progress, desc="generating", unit="tok") as bar:
         # Every step commits at least one token per active row, so max_new_tokens - 1 steps
@@ -211,6 +214,8 @@ class _Run:
         # Target forwards also write their features where a drafter reads them (SPEC.md §11).
         self._features = {} if ws.hidden is None else {"hidden_out": ws.hidden}
         self.chosen: list[int | None] = []  # host: the arm chosen at each step
+        self.caught_up: list[int] = []  # host: the width its drafter caught up on first (0: none)
+        self._catching_up = 0
         self.proposed: list[int] = []  # host: drafts per active row at each step
         self.clock = _StepClock(device)
         self.polled = 0  # steps already handed to the stats and the selector
@@ -235,12 +240,8 @@ class _Run:
         ws = self.ws
         commit_tokens(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos, result.tokens, zeros)
         self.max_length += 1
-        # Drafters with a cache fill it now, so that no step pays for a pass over the prompt.
-        history = History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden)
-        for drafter in self.plan.drafters:
-            prefill = getattr(drafter, "prefill", None)
-            if prefill is not None:
-                prefill(history)
+        # Drafters are not prefilled: a drafter's first proposal feeds the prompt (its catch-up,
+        # priced by the guard, SPEC.md §4, §8), so a request pays only for the drafters it runs.
 
     def step(self) -> None:
         """One speculative step: select → propose → score → verify → commit; the update
@@ -252,6 +253,7 @@ class _Run:
         self.plan.graphs.run(self.graph_key(k, has_probs, reuse), lambda: self._score_verify_commit(k, has_probs, reuse))
         self.chosen.append(arm)
         self.proposed.append(k)
+        self.caught_up.append(self._catching_up)
         self.max_length = min(self.max_length + k + 1, self.length_limit)
 
     def graph_key(self, k: int, has_probs: bool, reuse: int | None) -> tuple:
@@ -265,11 +267,21 @@ class _Run:
         if selector is None:
             return None, 0
         started = time.perf_counter()
-        arm = selector.select()
-        if self.plan.guard is not None:  # the selector's choice, or target-only (SPEC.md §8)
-            arm = self.plan.guard.admit(arm)
+        if self.plan.guard is None:
+            arm, self._catching_up = selector.select(), 0
+        else:  # the selector's choice if it keeps the budget, else target-only (SPEC.md §8)
+            arm, self._catching_up = self.plan.guard.choose(selector.select, self._catch_up)
         self.stats.selector_seconds += time.perf_counter() - started
         return arm, self.plan.arm_gammas[arm]
+
+    def _catch_up(self, arm: int) -> int:
+        """How many committed positions ``arm``'s drafter must feed before this step's drafts
+        beyond a steady step's (``Drafter.catch_up``, SPEC.md §4; 0 without a cache)."""
+        d = self.plan.arm_drafters[arm]
+        catch_up = None if d is None else getattr(self.plan.drafters[d], "catch_up", None)
+        if catch_up is None:
+            return 0
+        return catch_up(History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden))
 
     # The layer count after which this step's drafter handed back the target's states
     # (ws.draft_states, SPEC.md §11 verify reuse), or None; set by _propose.
@@ -418,20 +430,22 @@ class _Run:
             if self.plan.tp is not None and self.plan.selector is not None:
                 seconds = self.plan.tp.shared_floats(seconds)  # rank 0's clock: same rewards everywhere
             entries = [log[i : i + 3] for i in range(0, len(log), 3)]
-            for arm, k, (accepted, active_rows, committed), dt in zip(
-                self.chosen[self.polled : snapshot.steps], self.proposed[self.polled : snapshot.steps], entries, seconds
+            window = slice(self.polled, snapshot.steps)
+            for arm, k, width, (accepted, active_rows, committed), dt in zip(
+                self.chosen[window], self.proposed[window], self.caught_up[window], entries, seconds
             ):
-                self._record(arm, k, accepted, active_rows, committed, dt)
+                self._record(arm, k, accepted, active_rows, committed, dt, width)
             self.polled = snapshot.steps
         return bool(running)
 
     def _record(
-        self, arm: int | None, k: int, accepted: int, active_rows: int, committed: int, seconds: float
+        self, arm: int | None, k: int, accepted: int, active_rows: int, committed: int, seconds: float,
+        catch_up: int = 0,
     ) -> None:
         """The update: one polled step into the statistics, the guard and the selector."""
         stats, plan = self.stats, self.plan
         if plan.guard is not None and arm is not None:
-            plan.guard.observe(arm, committed, seconds, active_rows)
+            plan.guard.observe(arm, committed, seconds, active_rows, catch_up)
         if active_rows == 0:  # a step queued ahead after every row finished: it did nothing
             return
         label = None if arm is None else plan.labels[arm]

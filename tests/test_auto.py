@@ -14,6 +14,7 @@ from flashspec import Draft, SpeculativeEngine, auto
 from flashspec.auto import ALPHA_HIGH, ALPHA_LOW, Choice, calibrated_engine, choose_dtype, speedup_from_steps
 from flashspec.calibrate import CostCurve
 from flashspec.cli import main
+from flashspec.select.guard import DEFAULT_SLACK
 
 pytestmark = pytest.mark.default_configuration
 
@@ -92,9 +93,20 @@ def test_kept_drafters_get_the_best_gammas_and_the_default_configuration():
     for name, gammas in choice.gammas.items():
         best = {a: max((1, 2, 3), key=lambda g: choice.speedup(name, g, a)) for a in (ALPHA_LOW, ALPHA_HIGH)}
         assert gammas == sorted(set(best.values()))
-    assert engine.target_only_arm is not None and engine.slack == 0.03  # selector "auto"
+    assert engine.target_only_arm is not None and engine.slack == DEFAULT_SLACK  # selector "auto"
     assert sorted({g for _, g in engine.arms if g}) == sorted({g for gs in choice.gammas.values() for g in gs})
     assert [d.name for d in engine.drafters] == list(choice.gammas)
+    # the guard starts from what was measured (SPEC.md §13): every drafting arm's step, and the
+    # model drafter's catch-up on the calibration's prompt (n-gram keeps no cache)
+    for a, (d, g) in enumerate(engine.arms):
+        if d is not None:
+            name = engine.drafters[d].name
+            assert engine.arm_costs[a] == pytest.approx(choice.step_seconds[name][g - 1] / choice.target_step)
+    model_name = list(choice.step_seconds)[0]
+    assert set(choice.catch_up_seconds) == {model_name}
+    kept = [d.name for d in engine.drafters]
+    assert set(engine.catch_up_costs) == ({(kept.index(model_name), 256)} if model_name in kept else set())
+    assert "also feeds the prompt" in choice.explain()
     ids = [[1, 2, 3, 4]]
     expected = SpeculativeEngine(target, []).generate(ids, max_new_tokens=12, eos_token_id=[]).sequences
     assert engine.generate(ids, max_new_tokens=12, eos_token_id=[]).sequences == expected

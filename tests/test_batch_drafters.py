@@ -77,13 +77,16 @@ def _engine(kind: str, arch: str, folder, noise: float | None, **options):
     return SpeculativeEngine(model, [f"{kind}:{folder}"], device="cpu", **options)
 
 
-def _run_batch(engine, prompts, budgets, *, slots=3, gamma=4, cancel=(), **sampling):
+def _run_batch(engine, prompts, budgets, *, slots=3, gamma=4, cancel=(), warm=(1, 5), pad=None, **sampling):
     """Rows join every other step (into slots others left), some are cancelled early; returns
-    each prompt's tokens and its per-step token counts (the first count without the prefill's)."""
+    each prompt's tokens and its per-step token counts (the first count without the prefill's).
+    ``warm``, ``pad``: the batch's warm-up lengths and whether joins are padded to them."""
     got, counts, names = {}, {}, {}
     pending, step = list(range(len(prompts))), 0
     with engine.batch(slots=slots, max_length=64, num_draft_tokens=gamma, eos_token_id=[]) as batch:
-        batch.warmup([1, 5])
+        batch.warmup(list(warm), pad=pad)
+        if pad:
+            assert batch._run.prefill_width(5) == min(w for w in warm if w >= 5)
         while pending or batch.running:
             if pending and batch.free_slots and step % 2 == 0:
                 i = pending.pop(0)
@@ -131,6 +134,32 @@ def test_shallow_drafter_with_verify_reuse_in_a_batch_equals_generate(tmp_path):
     got, counts = _run_batch(engine, PROMPTS, BUDGETS, gamma=3)
     assert [got[i] for i in range(len(PROMPTS))] == expected
     assert any(c > 1 for row in counts.values() for c in row)  # drafts were accepted (states reused)
+
+
+@pytest.mark.parametrize("kind", ["feature", "shallow", "model"])
+def test_padded_joins_equal_generate_and_gain_what_generate_gains(kind, tmp_path):
+    """Joins fed at warmed widths (SPEC.md §12, "Prefill widths"): each prompt padded with zeros
+    to the narrowest warmed length that holds it, the target's prefill and every drafter's
+    ``prefill_row`` over the padded width. Every greedy row equals its own ``generate``, and a
+    drafter equal to the target still gains γ + 1 tokens at every step: the padding's cache
+    entries never reach a real position."""
+    if kind == "model":
+        target = tiny_model("llama", seed=5)
+        engine = SpeculativeEngine(target, [noisy_copy(target, 0.0, seed=1)], device="cpu")
+    else:
+        engine = _engine(kind, "llama", tmp_path, 0.0)
+    gamma = 3
+    alone = [_generate(engine, p, n, gamma) for p, n in zip(PROMPTS, BUDGETS)]
+    got, counts = _run_batch(engine, PROMPTS, BUDGETS, gamma=gamma, warm=(2, 8, 16, 32), pad=True)
+    assert [got[i] for i in range(len(PROMPTS))] == [tokens for tokens, _ in alone]
+    assert [counts[i] for i in range(len(PROMPTS))] == [steps for _, steps in alone]
+    assert alone[0][1] == _full_steps(BUDGETS[0], gamma)
+
+
+def test_pad_is_checked():
+    engine = SpeculativeEngine(tiny_model("llama"), [], device="cpu")
+    with engine.batch(slots=1, max_length=32) as batch, pytest.raises(ValueError, match="pad must be"):
+        batch.warmup([4], pad="yes")
 
 
 # ----------------------------------------------------------------------------- acceptance

@@ -4,6 +4,7 @@ never-slower guard")."""
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashspec import Draft, SpeculativeEngine
-from flashspec.select.guard import DEFAULT_SLACK, GRACE_STEPS, Guard, check_slack
+from flashspec.select.guard import DEFAULT_SLACK, GRACE_STEPS, RETRIES, Guard, bucket, check_slack
 from tiny_models import noisy_copy, tiny_model
 
 pytestmark = pytest.mark.default_configuration
@@ -101,6 +102,130 @@ def test_a_request_is_never_slower_than_the_budget(gammas, costs, rows, lag, sla
         assert spent <= (1 + slack) * tokens / rows + 1 + overshoot + 1e-9
 
 
+# ----------------------------------------------------------------------------- catch-ups
+def _measured(guard: Guard, steps: int = 10) -> Guard:
+    """``steps`` target-only steps of 1 s for 1 token: s₀ = 1 s, r₀ = 1 token/s."""
+    for _ in range(steps):
+        guard.observe(guard.admit(guard.baseline), tokens=1, seconds=1.0, rows=1)
+    return guard
+
+
+def test_a_catch_up_never_measured_is_priced_as_the_targets_prefill_times_the_layer_ratio():
+    guard = _measured(Guard([2, 4, 0], baseline=2, arm_drafters=[0, 1, None], layer_ratios={0: 0.5}))
+    assert guard.catch_up_cost(0, 100) == float("inf")  # no prefill reported: not admitted
+    assert guard.admit(0, width=100) == 2
+    guard.prefill(seconds=2.0, tokens=100)
+    # λ · max(T_p, b · T_p / L_p) with b = 128: 0.5 · 2.56; drafter 1 has no λ: 1 · 2.56
+    assert guard.catch_up_cost(0, 100) == pytest.approx(1.28)
+    assert guard.catch_up_cost(1, 100) == pytest.approx(2.56)
+    assert guard.catch_up_cost(0, 20) == pytest.approx(1.0)  # narrow: the whole prefill, scaled by λ
+    assert guard.catch_up_cost(0, 0) == 0.0 and guard.catch_up_cost(2, 100) == 0.0
+
+
+def test_a_measured_catch_up_replaces_the_prior_scaled_to_its_class_and_is_shared_by_the_drafters_arms():
+    guard = _measured(Guard([2, 4, 0], baseline=2, arm_drafters=[0, 0, None], priors={0: 1.5, 1: 2.0}))
+    guard.prefill(seconds=50.0, tokens=100)
+    assert guard.admit(0, width=40) == 2  # 10 + 1.5 + λ·50 = 61.5 > 1.03 · 11 + 1: refused
+    guard.pending.clear()
+    guard.pending.append((0, 40))  # (as if admitted under a generous budget)
+    guard.observe(0, tokens=1, seconds=1.5 + 3.0, rows=1, catch_up=40)  # 3 s beyond the steady 1.5
+    assert guard.catch_up_cost(0, 40) == pytest.approx(3.0 * 64 / 40)  # scaled to the class's top
+    assert guard.catch_up_cost(1, 50) == pytest.approx(4.8)  # the drafter's other arm: the same class
+    assert guard.catch_up_cost(0, 20) == pytest.approx(4.8)  # narrower: the nearest wider class
+    assert guard.catch_up_cost(0, 100) == pytest.approx(4.8 * 128 / 64)  # wider: scaled by the classes
+    assert guard.arm_steps[0] == 0 and guard.cost(0) == pytest.approx(1.5)  # not a steady step
+    assert guard.seconds == pytest.approx(10 + 4.5) and guard.tokens == 11  # but it counts in S and N
+    assert guard.catch_up_ratios() == {(0, 64): pytest.approx(4.8)}
+    carried = Guard([2, 4, 0], baseline=2, arm_drafters=[0, 0, None], catch_up_priors=guard.catch_up_ratios())
+    assert _measured(carried, steps=4).catch_up_cost(1, 64) == pytest.approx(4.8)  # in s₀ of the new request
+    guard.reset()
+    assert guard.catch_ups == {(0, 64): pytest.approx(4.8)}  # a reset keeps what catch-ups cost
+
+
+def test_the_budget_counts_pending_catch_ups_and_one_catch_up_at_a_time_per_drafter():
+    guard = _measured(Guard([2, 2, 0], baseline=2, slack=0.0, grace=10, priors={0: 1.0, 1: 1.0},
+                            arm_drafters=[0, 0, None], catch_up_priors={(0, 64): 3.0}), steps=10)
+    # budget: S + Σ pending + this <= (N + (|P| + 1)) / r₀ + 10 = N + |P| + 11
+    assert guard.admit(0, width=64) == 0  # 10 + 1 + 3 = 14 <= 10 + 1 + 10 = 21
+    assert guard.admit(1, width=64) == 2  # a second catch-up of the same drafter waits for the first
+    assert guard.admit(1) == 1  # a steady step: 10 + 4 + 1 + 1 = 16 <= 10 + 3 + 10
+    assert guard.admit(1, width=32) == 2  # (and arm 1, unmeasured, runs one step at a time)
+    assert guard.pending == deque([(0, 64), (2, 0), (1, 0), (2, 0)])
+    guard = _measured(Guard([2, 0], baseline=1, slack=0.0, grace=2, priors={0: 1.0},
+                            catch_up_priors={(0, 64): 3.0}), steps=10)
+    assert guard.admit(0, width=64) == 1  # 10 + 1 + 3 = 14 > 10 + 1 + 2: the catch-up does not fit
+    assert guard.admit(0) == 0  # the steady step does: 10 + 1 + 1 = 12 <= 10 + 2 + 2
+
+
+def test_a_refused_choice_asks_the_selector_again_before_running_the_target_alone():
+    guard = _measured(Guard([4, 1, 0], baseline=2, priors={0: 1.2, 1: 1.1}, catch_up_priors={(0, 512): 1e6}))
+    asked = []
+
+    def select(script=iter([0, 1] * 10)):
+        asked.append(next(script))
+        return asked[-1]
+
+    widths = {0: 300, 1: 0}  # arm 0's drafter must catch up on 300 positions: unaffordable
+    assert guard.choose(select, widths.get) == (1, 0)
+    assert asked == [0, 1] and guard.refused == 0
+    asked.clear()
+    assert guard.choose(lambda: select() and 0, widths.get) == (2, 0)  # always arm 0: every try refused
+    assert len(asked) == RETRIES + 1 and guard.refused == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    costs=st.lists(st.floats(1.0, 6.0), min_size=3, max_size=3),
+    catch_up=st.lists(st.floats(0.0, 40.0), min_size=12, max_size=12),
+    prefill=st.floats(0.5, 30.0),
+    lag=st.integers(0, 9),
+    slack=st.sampled_from([0.0, DEFAULT_SLACK, 0.2]),
+    steps=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+)
+def test_a_request_with_catch_ups_is_never_slower_than_the_budget(costs, catch_up, prefill, lag, slack, steps, seed):
+    """Three drafters (one arm each, γ = 3) whose caches fall behind while other arms run: an
+    arm's step costs its steady cost plus, when its drafter missed positions, a catch-up whose
+    cost depends on the width class (first proposal: the 100-position prompt). An adversarial
+    selector, lagged observations: the spent time stays within the budget, plus what each
+    arm's first step and each (drafter, class)'s first catch-ups cost beyond their estimates:
+    the class's cost once, plus what the arm's cautious prior (2.5 target steps) overstated its
+    steady step by when that catch-up was measured. (The spent time is honest whatever the
+    estimates, so this bound holds even for a guard that priced catch-ups badly: the tests
+    above check the prices.)"""
+    import random
+
+    rng = random.Random(seed)
+    guard = Guard([3, 3, 3, 0], baseline=3, slack=slack)
+    guard.prefill(prefill, 100)
+    classes = [64, 128, 256, 512]
+    true = {(d, b): catch_up[4 * d + i] for d in range(3) for i, b in enumerate(classes)}
+    seen: list[int | None] = [None, None, None]  # per drafter: the length it has fed through
+    length, spent, tokens, in_flight, met = 100, 0.0, 0, [], set()
+
+    def width(arm: int) -> int:
+        behind = length if seen[arm] is None else length - seen[arm]
+        return behind if seen[arm] is None or behind > 16 else 0
+
+    for _ in range(steps):
+        arm, w = guard.choose(lambda: rng.choice([0, 1, 2, 3, 3, 3, 3, 3, 3, 3]), width)  # gaps: catch-ups
+        made = 1 if arm == 3 else rng.randint(1, 4)
+        cost = 1.0 if arm == 3 else costs[arm]
+        if w:
+            key = (arm, min(b for b in classes if b >= min(w, 512)))
+            cost += true[key]
+            met.add(key)
+        if arm != 3:
+            seen[arm] = length + made
+        length += made
+        in_flight.append((arm, made, cost, 1, w))
+        spent, tokens = spent + cost, tokens + made
+        if len(in_flight) > lag:
+            guard.observe(*in_flight.pop(0))
+        overshoot = sum(max(0.0, c - 2.5) for c in costs) + sum(true[k] + 1.5 for k in met)
+        assert spent <= (1 + slack) * tokens + 1 + overshoot + 1e-9
+
+
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), True, "0.03", [0.03]])
 def test_bad_slack_is_refused(bad):
     with pytest.raises(ValueError, match="slack"):
@@ -188,6 +313,58 @@ def test_the_guard_keeps_a_request_with_a_losing_drafter_near_the_target_alone()
     first = drafted[0].seconds  # the one step whose cost the guard could not know
     assert spent <= (1 + slack) * tokens / rate + step + first
     assert len(drafted) < len(base) / 5
+
+
+def test_drafters_are_not_prefilled_a_request_pays_only_for_the_drafters_it_runs():
+    """SPEC.md §4: a drafter's cache is filled by its first proposal, not at the request's start,
+    so a drafter that never drafts in a request costs it nothing."""
+    used, idle = noisy_copy(TARGET, 0.05, 1), noisy_copy(TARGET, 0.05, 2)
+    engine = SpeculativeEngine(TARGET, [used, idle], selector="fixed")  # arm 0: the first drafter only
+    out = engine.generate(PROMPTS, max_new_tokens=12, eos_token_id=[])
+    expected = SpeculativeEngine(TARGET, []).generate(PROMPTS, max_new_tokens=12, eos_token_id=[]).sequences
+    assert out.sequences == expected
+    assert engine.drafters[0].forward_seconds > 0 and engine.drafters[1].forward_seconds == 0
+
+
+def test_model_and_feature_drafters_say_how_wide_their_next_catch_up_is(tmp_path):
+    """``catch_up``: the whole prefix at the first proposal of a request, 0 right after drafting,
+    0 after a short gap (a compiled width), the re-fed window after a long one (SPEC.md §4)."""
+    from flashspec import History, SamplingParams
+    from flashspec.drafters.feature import FeatureHead
+    from flashspec.train import save_drafter
+
+    save_drafter(FeatureHead(TARGET.config, 1), TARGET, tmp_path)
+    engine = SpeculativeEngine(TARGET, [noisy_copy(TARGET, 0.05, 1), f"feature:{tmp_path}", "ngram"],
+                               selector="fixed")
+    tokens = torch.randint(0, 50, (1, 256))
+    feature_layer = engine.drafters[1].feature_layer
+    hidden = {feature_layer: torch.zeros(1, 256, TARGET.config.hidden_size)}
+    params = SamplingParams()
+
+    def history(length: int) -> History:
+        return History(tokens, torch.tensor([length]), None, length, hidden)
+
+    model, feature, ngram = engine.drafters
+    assert not hasattr(ngram, "catch_up")
+    engine._target_lm.reset(1, 256)
+    for drafter in (model, feature):
+        drafter.begin(1)
+        assert drafter.catch_up(history(40)) == 40
+        drafter.propose(history(40), 3, params, torch.zeros(1, 3, dtype=torch.float64))
+        assert drafter.catch_up(history(44)) == 0  # it drafted the last step: a steady window
+        assert drafter.catch_up(history(52)) == 0  # 8 more: still a compiled width
+        assert drafter.catch_up(history(80)) == drafter._window(history(80)) == 64  # 36 missed
+        drafter.begin(1)  # a new request: the prefix again
+        assert drafter.catch_up(history(80)) == 80
+
+
+def test_the_engine_carries_what_catch_ups_cost_to_the_next_request():
+    engine = SpeculativeEngine(TARGET, [noisy_copy(TARGET, 0.05, 1)], gammas=[2], slack=1e9)  # every choice admitted
+    engine.generate(PROMPTS, max_new_tokens=24, eos_token_id=[])
+    first = [key for key in engine.catch_up_costs]
+    assert first and all(d == 0 and b == bucket(b) for d, b in first)
+    guard = engine.new_guard([2, 0])
+    assert guard.catch_up_priors == engine.catch_up_costs and guard.layer_ratios == {0: 1.0}
 
 
 def test_a_reset_starts_a_new_budget_and_keeps_the_priors():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -467,3 +468,16 @@ def test_serve_is_a_command():
     args = _parser().parse_args(["serve", "--target", "x", "--draft", "ngram", "--port", "9"])
     assert args.port == 9 and args.draft == ["ngram"] and callable(args.run)
     assert torch.__version__  # (the engine itself is exercised above)
+
+
+def test_the_server_asks_cuda_to_load_its_modules_eagerly_unless_told_otherwise(monkeypatch):
+    """SPEC.md §12, "Prefill widths": with lazy loading, prefill widths the warm-up ran still
+    paid on their first request on the H200."""
+    from flashspec.serve import load_cuda_modules_eagerly
+
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    load_cuda_modules_eagerly()
+    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    load_cuda_modules_eagerly()
+    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"

@@ -471,6 +471,9 @@ def bench_serve(args: argparse.Namespace) -> None:
     if args.reference_batch < 1:
         raise ValueError(f"--reference-batch must be >= 1; got {args.reference_batch}.")
     drafts = args.draft or ["ngram"]
+    from ..serve import load_cuda_modules_eagerly
+
+    load_cuda_modules_eagerly()  # as `flashspec serve` does
     engine = _engine(args.target, drafts, args.tokenizer, args.device, args.dtype, compile=args.compile)
     results = serve.run(engine, corpus=Path(args.corpus), num_draft_tokens=args.num_draft_tokens, seed=args.seed,
                         reference_batch=args.reference_batch,

@@ -254,23 +254,33 @@ class FlashSpecSystem(System):
     selector: str | None = None
     selector_options: dict[str, Any] = field(default_factory=dict)
 
+    # Steps of another arm between two proposals of a drafter with a cache, in a warm-up: the
+    # catch-up widths a switch back meets (16, 32, 64, 128, SPEC §4).
+    GAPS = (1, 20, 40, 90)
+
     def warm(self, prompts, new_tokens, temperature, seed):
-        """Every arm alone, then each model-drafter arm right after another drafter's step (the
-        catch-up width a switch meets, SPEC §4): compilations and graph captures happen here,
-        not inside a timed call."""
+        """Every arm alone, then each arm of a drafter with a cache after gaps of another arm's
+        steps (the catch-up widths a switch back meets, SPEC §4), twice: compilations and graph
+        captures happen here, not inside a timed call, and the guard (its slack lifted so that
+        every choice runs) measures each arm's step and each catch-up's cost, for the timed
+        calls to start from (``engine.arm_costs``, ``engine.catch_up_costs``, SPEC §8)."""
         if self.selector is None:
             return super().warm(prompts, new_tokens, temperature, seed)
         engine = self.engine
-        slack, engine.slack = engine.slack, (None if engine.slack is None else 1e9)  # every arm runs; the
-        try:  # guard still measures what each arm's step costs (engine.arm_costs, SPEC §8)
+        slack, engine.slack = engine.slack, (None if engine.slack is None else 1e9)
+        try:
             for arm in range(len(engine.arms)):
                 engine.selection = engine.new_selection("fixed", arm=arm)
                 super().warm(prompts, new_tokens, temperature, seed)
             for arm, (d, _) in enumerate(engine.arms):
-                other = next((b for b, (e, _) in enumerate(engine.arms) if e != d), None)
-                if d is not None and isinstance(engine.drafters[d], ModelDrafter) and other is not None:
-                    # the first proposal feeds the prompt; the third is a switch back
-                    engine.selection = engine.new_selection(ScriptedSelector(len(engine.arms), [arm, other, arm]))
+                gap = engine.target_only_arm
+                if gap is None:
+                    gap = next((b for b, (e, _) in enumerate(engine.arms) if e != d), None)
+                if d is None or gap is None or not hasattr(engine.drafters[d], "catch_up"):
+                    continue
+                script = [arm] + [a for steps in self.GAPS for a in [gap] * steps + [arm]]
+                for _ in range(2):  # the second time: the graphs are captured, what is measured is what recurs
+                    engine.selection = engine.new_selection(ScriptedSelector(len(engine.arms), script))
                     super().warm(prompts, new_tokens, temperature, seed)
         finally:
             engine.slack = slack

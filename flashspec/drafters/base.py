@@ -57,9 +57,12 @@ class Drafter(Protocol):
     what was accepted is in the :class:`History` of the next ``propose`` (the committed tokens),
     and a drafter with a cache catches up from it — also after steps another drafter drafted.
 
-    Optional: ``prefill(history)``, called once per ``generate`` right after the target's
-    prefill (the history holds the prompts and the first new token), for a drafter that wants
-    to fill a cache while the request is still in its prefill; ``forward_seconds``, the host
+    Optional: ``catch_up(history) -> int``, for a drafter with a cache: how many committed
+    positions its next proposal must feed beyond a steady step's (its first proposal of a
+    request feeds the prompt; after a gap, what it missed), 0 when caught up, from host
+    arithmetic only — the never-slower guard prices the proposal with it (SPEC.md §8);
+    ``prefill_row(history, row, width=None)``, to feed a row that joins a running batch (§12);
+    ``forward_seconds``, the host
     time spent in its model forwards so far (the statistics' engine-overhead figure);
     ``uses_hidden_states = True`` with ``feature_layer = n``, to be handed the target's features
     after its first ``n`` layers in ``History.hidden[n]`` (written by the target's own forwards, no

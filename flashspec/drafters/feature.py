@@ -222,29 +222,19 @@ class FeatureDrafter:
             self._features = torch.zeros(batch, capacity, hidden, dtype=self.head.fc.weight.dtype,
                                          device=history.tokens.device)
 
-    def prefill(self, history: History) -> None:
-        """Feed the pairs of every committed position but the pending one (the prompt), during the
-        request's prefill, so that the first proposal feeds one position only."""
-        self._start(history)
-        bound = history.length_bound()
-        if bound > 1:
-            zeros = torch.zeros_like(history.length)
-            self._feed(history.tokens, history.hidden[self.feature_layer], self._features, zeros, bound - 1,
-                       zeros[:, None])
-        self._fed_through = bound - 1
-
-    def prefill_row(self, history: History, row: int) -> None:
+    def prefill_row(self, history: History, row: int, width: int | None = None) -> None:
         """Feed row ``row``'s prompt alone: a request that joined a running batch (SPEC.md §12).
 
-        The same forward as :meth:`prefill` gives a request of its own — the pairs of positions
-        ``0 … length − 2`` over a view of that row of the drafter's cache and of its predicted
-        features (:meth:`StaticLM.only_row <flashspec.cache.StaticLM.only_row>`) — so the row's
-        entries are what ``generate`` would have; the other rows' are neither read nor written.
+        The pairs of positions ``0 … length − 2`` (``… width − 2`` with the target's padded
+        prefill ``width``, §12 "Prefill widths": entries past the prompt are rewritten before they
+        are read) over a view of that row of the drafter's cache and of its predicted features
+        (:meth:`StaticLM.only_row <flashspec.cache.StaticLM.only_row>`); the other rows' are
+        neither read nor written.
         The catch-up window of the other rows is left as it was: their unseen positions have
         not changed (the batch's length bound does not grow when a row joins)."""
         self._check(history)
         self._start(history)
-        width = int(history.length[row]) - 1
+        width = max(int(history.length[row]), width or 0) - 1
         if width > 0:
             one = slice(row, row + 1)
             zeros = torch.zeros(1, dtype=torch.long, device=history.length.device)
@@ -258,6 +248,13 @@ class FeatureDrafter:
         if history.hidden is None or self.feature_layer not in history.hidden:
             raise ValueError("A feature drafter needs the target's features (History.hidden): use it through "
                              "SpeculativeEngine, which provides them.")
+
+    def catch_up(self, history: History) -> int:
+        """The positions the next proposal feeds beyond a steady step's (SPEC.md §4): the whole
+        prefix the first time in a request, a window wider than the compiled widths after a gap,
+        else 0 (host arithmetic only)."""
+        window = self._window(history)
+        return window if self._fed_through is None or window > StaticLM.COMPILED_WIDTHS else 0
 
     def _window(self, history: History) -> int:
         """How many trailing committed positions to feed: every one whose true feature this

@@ -14,12 +14,11 @@ from .base import Draft, History, draw
 class ModelDrafter:
     """Drafts autoregressively with its own KV cache (SPEC.md §4).
 
-    The engine calls :meth:`prefill` during the request's prefill (the prompt enters the cache
-    then). Each ``propose`` first re-feeds the last ``W`` committed tokens of every row (``W``
-    covers every token the cache has not seen, bounded on the host: 2 when this drafter also
-    drafted the previous step or was just prefilled, the whole prompt when it was not prefilled,
-    otherwise at least :attr:`SWITCH_WINDOW` and a power of two), then drafts one token per
-    forward.
+    Each ``propose`` first re-feeds the last ``W`` committed tokens of every row (``W`` covers
+    every token the cache has not seen, bounded on the host: the whole prompt at its first
+    proposal of a request, 2 when this drafter also drafted the previous step, otherwise at least
+    :attr:`SWITCH_WINDOW` and a power of two; :meth:`catch_up` says which), then drafts one token
+    per forward.
     With a :class:`~flashspec.cache.StaticLM` on CUDA the whole proposal is one CUDA graph.
     """
 
@@ -50,27 +49,17 @@ class ModelDrafter:
     def begin(self, batch_size: int) -> None:
         self._seen_through = None
 
-    def prefill(self, history: History) -> None:
-        """Feed every committed token now, during the request's prefill, so that the first
-        proposal is a steady step (one CUDA graph) rather than an eager pass over the prompt."""
-        self._start(history)
-        bound = history.length_bound()
-        length, tokens = history.length, history.tokens
-        index = torch.arange(bound, device=length.device)
-        real = index[None, :] < length[:, None]
-        zeros = torch.zeros_like(length)
-        self._lm.forward(tokens[:, :bound], zeros, real, logits_at=(length - 1).clamp(min=0)[:, None], eager=True)
-        self._seen_through = bound  # the first proposal re-feeds the last 2 tokens, as every step does
-
-    def prefill_row(self, history: History, row: int) -> None:
+    def prefill_row(self, history: History, row: int, width: int | None = None) -> None:
         """Feed row ``row``'s committed tokens alone: a request that joined a running batch
-        (SPEC.md §12). The other rows' cache entries are neither read nor written."""
+        (SPEC.md §12). The other rows' cache entries are neither read nor written. ``width``: feed
+        that many positions (the target's padded prefill width, §12 "Prefill widths"); the entries
+        past the row's tokens are overwritten before any query reads them."""
         if not isinstance(self._lm, StaticLM):
             raise ValueError(f"Drafter {self.name!r} cannot join a running batch: continuous batching needs "
                              f"a drafter over FlashSpec's static cache (architectures {', '.join(StaticLM.ARCHITECTURES)}).")
         self._start(history)
         length = history.length[row : row + 1]
-        width = int(length)
+        width = max(int(length), width or 0)
         with self._lm.only_row(row):
             self._lm.forward(history.tokens[row : row + 1, :width], torch.zeros_like(length), None,
                              logits_at=(length - 1)[:, None], eager=True)
@@ -83,6 +72,13 @@ class ModelDrafter:
         """A new request: size the cache (dropping graphs that captured replaced buffers)."""
         if self._lm.reset(history.tokens.shape[0], history.tokens.shape[1]):
             self._graphs.clear()
+
+    def catch_up(self, history: History) -> int:
+        """The positions the next proposal feeds beyond a steady step's (SPEC.md §4): the whole
+        prefix the first time in a request, the re-fed window after a gap wider than
+        :attr:`SWITCH_WINDOW`, else 0 (host arithmetic only)."""
+        window = self._window(history)
+        return window if self._seen_through is None or window > self.SWITCH_WINDOW else 0
 
     def _window(self, history: History) -> int:
         """How many trailing committed tokens to re-feed so the cache misses none."""
@@ -106,7 +102,7 @@ class ModelDrafter:
         device = self.model.device
         if history.tokens.device != device:
             raise ValueError("A model drafter must live on the same device as the target.")
-        first = self._seen_through is None  # not prefilled: the first proposal feeds the prompt
+        first = self._seen_through is None  # the first proposal of a request feeds the prompt
         if first:
             self._start(history)
         active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
@@ -119,7 +115,8 @@ class ModelDrafter:
         # A proposal over the whole prompt happens at most once per request: not worth a graph.
         key = None if first else (window, num_tokens, params)
         tokens, probs = self._graphs.run(
-            key, lambda: self._draft(history.tokens, history.length, active, uniforms, window, num_tokens, params)
+            key, lambda: self._draft(history.tokens, history.length, active, uniforms, window, num_tokens, params,
+                                     eager=first)
         )
         return Draft(tokens, probs)
 
@@ -132,14 +129,17 @@ class ModelDrafter:
         window: int,
         num_tokens: int,
         params: SamplingParams,
+        eager: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pure tensor code (no host reads), so it can be captured as a graph."""
+        """Pure tensor code (no host reads), so it can be captured as a graph. ``eager``: the
+        re-feed is the first proposal's pass over the prompt, a prefill: never compiled, so that
+        a new prompt length compiles nothing (SPEC.md §3)."""
         capacity = history.shape[1]
         start = (length - window).clamp(min=0)
         index = start[:, None] + torch.arange(window, device=length.device)
         real = index < length[:, None]
         fed = history.gather(1, index.clamp(max=capacity - 1))
-        logits = self._lm.forward(fed, start, real, logits_at=(length - 1 - start)[:, None])[:, 0]
+        logits = self._lm.forward(fed, start, real, logits_at=(length - 1 - start)[:, None], eager=eager)[:, 0]
         live = active[:, None]  # finished rows draft as holes (their positions may pass the window)
         drafted, laws = [], []
         for i in range(num_tokens):

@@ -123,30 +123,19 @@ class ShallowDrafter:
     def begin(self, batch_size: int) -> None:
         self._fed_through = None
 
-    def prefill(self, history: History) -> None:
-        """The adapters see the prompt's features now, so the first proposal feeds one position."""
-        batch, capacity = history.tokens.shape
-        if self.lm.reset(batch, capacity):
-            self._graphs.clear()
-        bound = history.length_bound()
-        if bound > 1:
-            zeros = torch.zeros_like(history.length)
-            features = history.hidden[self.feature_layer][:, : bound - 1]
-            self.lm.forward(None, zeros, embeds=features, logits_at=zeros[:, None])
-        self._fed_through = bound - 1
-
-    def prefill_row(self, history: History, row: int) -> None:
+    def prefill_row(self, history: History, row: int, width: int | None = None) -> None:
         """Feed row ``row``'s prompt features alone: a request that joined a running batch
         (SPEC.md §12). The adapters see the target's features after ``N`` layers at positions
-        ``0 … length − 2`` over a view of that row of their cache
-        (:meth:`StaticLM.only_row <flashspec.cache.StaticLM.only_row>`) — the forward
-        :meth:`prefill` gives a request of its own — and no other row is read or written. (The
-        shared layers' entries for the row are the target's own, written by its prefill.)"""
+        ``0 … length − 2`` (``… width − 2`` with the target's padded prefill ``width``, §12
+        "Prefill widths") over a view of that row of their cache
+        (:meth:`StaticLM.only_row <flashspec.cache.StaticLM.only_row>`), and no other row is read
+        or written. (The shared layers' entries for the row are the target's own, written by its
+        prefill.)"""
         self._check(history)
         batch, capacity = history.tokens.shape
         if self.lm.reset(batch, capacity):
             self._graphs.clear()
-        width = int(history.length[row]) - 1
+        width = max(int(history.length[row]), width or 0) - 1
         if width > 0:
             zeros = torch.zeros(1, dtype=torch.long, device=history.length.device)
             with self.lm.only_row(row):
@@ -161,6 +150,7 @@ class ShallowDrafter:
                              "SpeculativeEngine, which provides them.")
 
     _window = FeatureDrafter._window
+    catch_up = FeatureDrafter.catch_up
 
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
         self._check(history)

@@ -3,23 +3,27 @@
 arm and the never-slower guard").
 
 The engine makes one :class:`Guard` per request (or per running batch) when it has a target-only
-arm. Before each step it asks :meth:`Guard.admit` whether the arm the selector chose may run, and
-after each poll it tells :meth:`Guard.observe` what every polled step achieved. The guard never
-reads a tensor and never sees the step's random numbers: its choices depend on the past only,
-so the output law stays the target's (SPEC.md §8, "Selection never changes the output law").
+arm. Before each step :meth:`Guard.choose` asks the selector for an arm and admits it, or asks
+again, or runs the target alone; after each poll :meth:`Guard.observe` learns what every polled
+step achieved. A step whose drafter must first catch up on tokens it missed (its first
+proposal of a request feeds the prompt; after a gap it re-feeds what the other arms committed)
+is priced with that catch-up. The guard never reads a tensor and never sees the step's random
+numbers: its choices depend on the past only, so the output law stays the target's (SPEC.md §8,
+"Selection never changes the output law").
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_SLACK", "GRACE_STEPS", "Guard", "check_slack"]
+__all__ = ["DEFAULT_SLACK", "GRACE_STEPS", "RETRIES", "Guard", "bucket", "check_slack"]
 
-DEFAULT_SLACK = 0.03  # δ: a request may be up to 3 % slower than the target alone (plus the grace)
+DEFAULT_SLACK = 0.02  # δ: a request may be up to 2 % slower than the target alone (plus the grace)
 GRACE_STEPS = 1  # g: and one target-only step more
+RETRIES = 2  # a refused choice: ask the selector this many more times before running the target alone
 
 
 def check_slack(slack: Any) -> float | None:
@@ -28,8 +32,13 @@ def check_slack(slack: Any) -> float | None:
         return None
     if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not math.isfinite(slack) or slack < 0:
         raise ValueError(f"slack is how much slower than the target alone a request may get while the engine "
-                         f"explores (0.03 = 3 %): a finite number >= 0, or None for no guard; got {slack!r}.")
+                         f"explores (0.02 = 2 %): a finite number >= 0, or None for no guard; got {slack!r}.")
     return float(slack)
+
+
+def bucket(width: int) -> int:
+    """The catch-up width class of ``width``: the power of two at or above it."""
+    return 1 << (max(int(width), 1) - 1).bit_length()
 
 
 class Guard:
@@ -40,13 +49,23 @@ class Guard:
         baseline: the index of the target-only arm.
         slack: δ, the fraction by which a request may be slower than the target alone.
         grace: g, target-only steps of extra allowance (so that a first drafting step can run).
-        priors: per arm, the cost of one of its steps in target-only steps, as measured before
-            (:meth:`ratios` of an earlier request); an arm without one is assumed to cost
-            ``1 + γ/2``.
+        priors: per arm, the cost of one of its steady steps in target-only steps, as measured
+            before (:meth:`ratios` of an earlier request); an arm without one is assumed to
+            cost ``1 + γ/2``.
+        arm_drafters: per arm, the index of its drafter (None: the target-only arm); arms of
+            one drafter share its catch-up costs. Default: one drafter per arm.
+        catch_up_priors: per ``(drafter, bucket)``, what a catch-up of that width class cost
+            beyond the arm's steady step, in target-only steps (:meth:`catch_up_ratios` of an
+            earlier request, or a calibration's).
+        layer_ratios: per drafter, λ: the layers its catch-up runs over the target's (1 when
+            not given); the prior of a catch-up never measured is λ times the target's prefill.
     """
 
     def __init__(self, gammas: Sequence[int], baseline: int, slack: float = DEFAULT_SLACK,
-                 grace: int = GRACE_STEPS, priors: dict[int, float] | None = None) -> None:
+                 grace: int = GRACE_STEPS, priors: dict[int, float] | None = None,
+                 arm_drafters: Sequence[int | None] | None = None,
+                 catch_up_priors: dict[tuple[int, int], float] | None = None,
+                 layer_ratios: dict[int, float] | None = None) -> None:
         self.gammas = list(gammas)
         if not 0 <= baseline < len(self.gammas) or self.gammas[baseline] != 0:
             raise ValueError(f"The guard's baseline arm {baseline} must be a target-only arm (γ = 0) of "
@@ -57,8 +76,17 @@ class Guard:
             raise ValueError("A guard needs a slack (a number >= 0).")
         self.grace = grace
         self.priors = {a: float(r) for a, r in (priors or {}).items() if 0 <= a < len(self.gammas)}
-        self.pending: deque[int] = deque()  # admitted, not yet observed (in step order)
+        if arm_drafters is None:
+            arm_drafters = [None if a == baseline else a for a in range(len(self.gammas))]
+        self.arm_drafters = list(arm_drafters)
+        self.catch_up_priors = {k: float(v) for k, v in (catch_up_priors or {}).items()}
+        self.layer_ratios = dict(layer_ratios or {})
+        self.pending: deque[tuple[int, int]] = deque()  # (arm, catch-up width) admitted, not yet observed
         self.refused = 0  # steps the selector's choice was replaced by the target-only arm
+        # The target's last prefill (T_p seconds over L_p tokens per row): the scale of the prior
+        # of a catch-up never measured. None until the engine reports one.
+        self.prefill_seconds: float | None = None
+        self.prefill_tokens = 1
         self._start()
 
     def _start(self) -> None:
@@ -69,52 +97,119 @@ class Guard:
         self.base_tokens = 0  # N₀
         self.base_steps = 0  # n₀
         self.rows = 1  # n̂: tokens of the last observed target-only step (its active rows)
-        self.arm_seconds = [0.0] * len(self.gammas)  # per arm: observed seconds, steps
+        self.arm_seconds = [0.0] * len(self.gammas)  # per arm: observed seconds, steps (steady steps)
         self.arm_steps = [0] * len(self.gammas)
+        self.catch_ups: dict[tuple[int, int], float] = {}  # (drafter, bucket): the last catch-up's extra seconds
 
     def reset(self) -> None:
         """Start a new budget (a running batch whose rows all left: its next requests are new
-        work). Steps still pending stay pending."""
+        work). Steps still pending stay pending; what catch-ups cost is kept."""
+        seen = self.catch_ups
         self._start()
+        self.catch_ups = seen
+
+    def prefill(self, seconds: float, tokens: int) -> None:
+        """The target's prefill of ``tokens`` positions per row took ``seconds``: the scale of the
+        prior of a catch-up never measured."""
+        self.prefill_seconds, self.prefill_tokens = float(seconds), max(int(tokens), 1)
+
+    # ------------------------------------------------------------------ estimates
+    def _step(self) -> float:
+        """s₀: the mean seconds of an observed target-only step."""
+        return self.base_seconds / self.base_steps
 
     def cost(self, arm: int) -> float:
-        """ĉ_a: the estimated seconds of one step of ``arm`` (needs a target-only observation)."""
+        """ĉ_a: the estimated seconds of one steady step of ``arm`` (needs a target-only observation)."""
         if self.arm_steps[arm]:
             return self.arm_seconds[arm] / self.arm_steps[arm]
         prior = self.priors.get(arm, 1 + self.gammas[arm] / 2)
-        return prior * self.base_seconds / self.base_steps
+        return prior * self._step()
 
-    def admit(self, arm: int) -> int:
-        """The arm this step runs: ``arm`` when its worst case keeps the budget, else the
-        target-only arm (always, until a target-only step has been observed)."""
+    def catch_up_cost(self, arm: int, width: int) -> float:
+        """x̂: the estimated seconds a catch-up of ``width`` positions adds to a step of ``arm``:
+        the last measured catch-up of this drafter in the same width class (scaled up to the
+        class's top), else in the nearest wider class, else the widest narrower one scaled by
+        the widths, else λ times the target's prefill at this width (infinite before a prefill
+        was reported). SPEC.md §8, "Catch-ups"."""
+        if not width or arm == self.baseline:
+            return 0.0
+        drafter, b = self.arm_drafters[arm], bucket(width)
+        step = self._step()
+        known = {k: r * step for (d, k), r in self.catch_up_priors.items() if d == drafter}
+        known.update({k: s for (d, k), s in self.catch_ups.items() if d == drafter})
+        wider = [k for k in known if k >= b]
+        if wider:
+            return known[min(wider)]
+        if known:
+            widest = max(known)
+            return known[widest] * b / widest
+        if self.prefill_seconds is None:
+            return math.inf
+        ratio = self.layer_ratios.get(drafter, 1.0)
+        return ratio * max(self.prefill_seconds, b * self.prefill_seconds / self.prefill_tokens)
+
+    # ------------------------------------------------------------------ choosing
+    def choose(self, select: Callable[[], int], catch_up: Callable[[int], int]) -> tuple[int, int]:
+        """The arm this step runs and its catch-up width: the selector's choice (``select()``)
+        when its worst case keeps the budget; else the selector is asked again, up to
+        :data:`RETRIES` times; else the target-only arm (always, until a target-only step has
+        been observed). ``catch_up(arm)``: the width the arm's drafter must catch up on first."""
+        first = arm = select()
+        width = 0
         if arm != self.baseline:
-            if not self.base_steps or not self._affordable(arm):
-                self.refused += 1
+            if not self.base_steps:
                 arm = self.baseline
-        self.pending.append(arm)
-        return arm
+            else:
+                for attempt in range(RETRIES + 1):
+                    if attempt:
+                        arm = select()
+                    if arm == self.baseline:
+                        break
+                    width = catch_up(arm)
+                    if self._affordable(arm, width):
+                        break
+                else:
+                    arm = self.baseline
+        if arm == self.baseline:
+            width = 0
+            if first != self.baseline:
+                self.refused += 1
+        self.pending.append((arm, width))
+        return arm, width
 
-    def _affordable(self, arm: int) -> bool:
-        if not self.arm_steps[arm] and arm in self.pending:
+    def admit(self, arm: int, width: int = 0) -> int:
+        """:meth:`choose` for one given choice (no asking again): ``arm`` or the target-only arm."""
+        return self.choose(lambda: arm, lambda a: width)[0]
+
+    def _affordable(self, arm: int, width: int) -> bool:
+        if not self.arm_steps[arm] and any(p == arm for p, _ in self.pending):
             return False  # an arm never measured runs one step at a time until it is
-        spent = self.seconds + sum(self.cost(p) for p in self.pending) + self.cost(arm)
+        if width and any(w and self.arm_drafters[p] == self.arm_drafters[arm] for p, w in self.pending):
+            return False  # likewise a catch-up: one at a time per drafter
+        spent = (self.seconds + sum(self.cost(p) + self.catch_up_cost(p, w) for p, w in self.pending)
+                 + self.cost(arm) + self.catch_up_cost(arm, width))
         fewest = self.tokens + (len(self.pending) + 1) * self.rows
         rate = self.base_tokens / self.base_seconds  # r₀
-        step = self.base_seconds / self.base_steps  # s₀
-        return spent <= (1 + self.slack) * fewest / rate + self.grace * step
+        return spent <= (1 + self.slack) * fewest / rate + self.grace * self._step()
 
-    def observe(self, arm: int, tokens: int, seconds: float, rows: int) -> None:
-        """A polled step: ``arm`` committed ``tokens`` over ``rows`` active rows in ``seconds``.
-        Steps that had no active row (queued after the last one finished) only leave the pending
-        list."""
+    # ------------------------------------------------------------------ learning
+    def observe(self, arm: int, tokens: int, seconds: float, rows: int, catch_up: int = 0) -> None:
+        """A polled step: ``arm`` committed ``tokens`` over ``rows`` active rows in ``seconds``,
+        after a catch-up of ``catch_up`` positions (0: a steady step). Steps that had no active
+        row (queued after the last one finished) only leave the pending list."""
         if self.pending:
             self.pending.popleft()
         if rows == 0:
             return
+        if catch_up and arm != self.baseline and self.base_steps:
+            extra = max(0.0, seconds - self.cost(arm))  # what the catch-up added to a steady step
+            b = bucket(catch_up)
+            self.catch_ups[(self.arm_drafters[arm], b)] = extra * b / catch_up
+        else:
+            self.arm_seconds[arm] += seconds
+            self.arm_steps[arm] += 1
         self.seconds += seconds
         self.tokens += tokens
-        self.arm_seconds[arm] += seconds
-        self.arm_steps[arm] += 1
         if arm == self.baseline:
             self.base_seconds += seconds
             self.base_tokens += tokens
@@ -122,9 +217,18 @@ class Guard:
             self.rows = max(tokens, 1)
 
     def ratios(self) -> dict[int, float]:
-        """Per measured arm, its mean step cost in target-only steps (priors for the next request)."""
+        """Per measured arm, its mean steady step cost in target-only steps (priors for the next
+        request)."""
         if not self.base_steps:
             return {}
-        step = self.base_seconds / self.base_steps
+        step = self._step()
         return {a: self.arm_seconds[a] / self.arm_steps[a] / step for a in range(len(self.gammas))
                 if self.arm_steps[a] and a != self.baseline}
+
+    def catch_up_ratios(self) -> dict[tuple[int, int], float]:
+        """Per ``(drafter, bucket)`` measured, the last catch-up's extra cost in target-only steps
+        (priors for the next request)."""
+        if not self.base_steps:
+            return {}
+        step = self._step()
+        return {k: s / step for k, s in self.catch_ups.items()}

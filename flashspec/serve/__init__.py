@@ -10,6 +10,7 @@ command into ``flashspec``.
 from __future__ import annotations
 
 import argparse
+import os
 import functools
 import socket
 import threading
@@ -219,6 +220,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def load_cuda_modules_eagerly() -> None:
+    """Ask CUDA to load every kernel module at start-up rather than at each kernel's first
+    launch (``CUDA_MODULE_LOADING=EAGER``, unless the environment sets it): with lazy loading,
+    even prefill widths the warm-up ran paid on their first request (SPEC.md §12, "Prefill
+    widths"). Only before CUDA starts in this process does it have any effect."""
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+
 def _run(args: argparse.Namespace) -> None:
     try:
         import uvicorn
@@ -227,6 +236,7 @@ def _run(args: argparse.Namespace) -> None:
     from ..engine import SpeculativeEngine
 
     started = time.perf_counter()
+    load_cuda_modules_eagerly()
     engine = SpeculativeEngine(args.target, args.draft, selector=args.selector, tokenizer=args.tokenizer,
                                device=args.device, dtype=args.dtype, compile=args.compile)
     scheduler, app = build(engine, model_name=args.model_name or str(args.target).rstrip("/").split("/")[-1],

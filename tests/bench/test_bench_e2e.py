@@ -14,6 +14,7 @@ from flashspec.bench import e2e as bench_e2e
 from flashspec.bench.corpus import DOMAINS, heldout_text
 from flashspec.bench.e2e import Regime, check_options, make_prompts, predicted_speedup
 from flashspec.cli import main
+from flashspec.select.guard import DEFAULT_SLACK, bucket
 from tiny_models import CharTokenizer, noisy_copy, tiny_model, write_tiny_corpus
 
 REGIMES = {"long": Regime(24, 40, 12), "short": Regime(8, 8, 6)}  # tiny stand-ins for the real two
@@ -395,6 +396,24 @@ def test_bandit_warm_up_meets_every_switch_width(models, corpus, monkeypatch):
     assert bandit.engine.selection.selector.kind == bench_e2e.BANDIT_SELECTOR  # the bandit again after the warm-up
 
 
+@pytest.mark.default_configuration
+def test_the_auto_warm_up_measures_catch_ups_for_the_guard(models, corpus):
+    """flashspec-auto's warm-up runs each arm of a drafter with a cache after gaps of target-only
+    steps, so its guard starts the timed calls knowing what a catch-up costs (SPEC §8), and
+    the selector starts afresh."""
+    target, drafter = models
+    setup = bench_e2e.Setup(target, {"tiny": drafter, "ngram": "ngram"}, [2], 0, False)
+    (auto,) = bench_e2e._flashspec_auto(setup)
+    prompt = make_prompts({"long": REGIMES["long"]}, 1, tokenizer=CharTokenizer(), corpus=corpus)["long"]["code"]
+    auto.warm(prompt, 40, 0.0, 0)
+    engine = auto.engine
+    widths = {b for d, b in engine.catch_up_costs if d == 0}
+    assert bucket(len(prompt[0]) + 1) in widths and 32 in widths  # the prompt; a 20-step gap
+    assert all(d == 0 for d, _ in engine.catch_up_costs)  # n-gram keeps no cache
+    assert set(engine.arm_costs) == {0, 1} and engine.slack == DEFAULT_SLACK
+    assert engine.selection.selector.kind == "thompson"
+
+
 def test_scripted_selector_plays_its_script_and_rejects_bad_arms():
     selector = bench_e2e.ScriptedSelector(3, [2, 0])
     assert [selector.select() for _ in range(5)] == [2, 0, 2, 0, 2]
@@ -413,7 +432,7 @@ def test_the_default_configuration_is_checked_call_by_call_against_target_only(c
     results = bench_e2e.run(target, {"tiny": drafter, "ngram": "ngram"}, prompts, regimes, gammas=[2],
                             systems=["flashspec", "flashspec-fixed", "flashspec-auto"], progress=False)
     system = next(s for s in results["systems"] if s["name"] == "flashspec auto")
-    assert system["arms"] == ["tiny@2", "ngram@2", "target@0"] and system["slack"] == 0.03
+    assert system["arms"] == ["tiny@2", "ngram@2", "target@0"] and system["slack"] == DEFAULT_SLACK
     cell = results["cells"][0]
     assert all(g["differing"] == [] for g in cell["greedy"]["systems"].values())
     report = cell["never_slower"]["systems"]["flashspec auto"]
