@@ -199,9 +199,11 @@ def test_the_acceptance_test_has_power(kind, cls, tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- the law
-def test_sampled_rows_with_a_feature_drafter_in_a_batch_have_the_targets_law():
+@pytest.mark.parametrize("pad", [False, True])
+def test_sampled_rows_with_a_feature_drafter_in_a_batch_have_the_targets_law(pad):
     """χ² (SPEC.md §6) of rows that join a running batch with a feature drafter (p != q), sampled
-    drafts verified with their q (every row has the same parameters), γ = 2."""
+    drafts verified with their q (every row has the same parameters), γ = 2; ``pad``: every join
+    fed at a wider warmed width (SPEC.md §12, "Prefill widths")."""
     from test_distribution import (
         ALPHA,
         BATCH_SAMPLES,
@@ -216,6 +218,9 @@ def test_sampled_rows_with_a_feature_drafter_in_a_batch_have_the_targets_law():
     samples = []
     torch.manual_seed(0)
     with engine.batch(slots=24, max_length=32, num_draft_tokens=2, eos_token_id=[]) as batch:
+        if pad:
+            batch.warmup([len(PROMPT) + 5], pad=True)
+            assert batch._run.prefill_width(len(PROMPT)) == len(PROMPT) + 5
         tokens: dict[int, list[int]] = {}
         while len(samples) < BATCH_SAMPLES:
             for _ in range(batch.free_slots):
