@@ -106,7 +106,6 @@ class _BatchRun(_Run):
         # so a row that joins never raises it: the drafters' catch-up windows, sized from how the
         # bound grew since their last proposal, stay those of the rows already there (SPEC.md §12).
         self.max_length = max_length
-        self.length_limit = 2**62  # max_length only grows (after_poll); drafters clamp to the capacity
         self.rng = None  # each row has its own (rows[b].generator)
         self.draft_uniforms = ws.random[:, : self.gamma]
         self.verify_uniforms = ws.random[:, self.gamma :]

@@ -35,6 +35,10 @@ class Graphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether a graph was captured for ``key``."""
+        return key in self._graphs
+
     def run(self, key: Hashable | None, fn: Callable[[], Any]) -> Any:
         """``fn()``, replayed from a CUDA graph when one was captured for ``key`` (never
         captured when ``key`` is None)."""

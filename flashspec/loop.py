@@ -199,8 +199,9 @@ class _Run:
         ws.steps_taken.zero_()
         ws.fault.zero_()
         self.tokens, self.length, self.active, self.generated = ws.tokens, ws.length, ws.active, ws.generated
-        self.max_length = request.longest  # host-side upper bound on length.max()
-        self.length_limit = request.longest + max_new_tokens
+        # A host-side upper bound on length.max(): + k + 1 per step, never capped (drafters size
+        # their catch-up windows from its growth and clamp them to the capacity, SPEC.md §4, §11).
+        self.max_length = request.longest
         self.rng = torch.Generator(device=device)
         seed = request.seed
         if seed is None:
@@ -254,7 +255,7 @@ class _Run:
         self.chosen.append(arm)
         self.proposed.append(k)
         self.caught_up.append(self._catching_up)
-        self.max_length = min(self.max_length + k + 1, self.length_limit)
+        self.max_length += k + 1
 
     def graph_key(self, k: int, has_probs: bool, reuse: int | None) -> tuple:
         """The key of this step's score-verify-commit graph: what the captured work depends on

@@ -172,13 +172,13 @@ def test_drafter_window_covers_unseen_tokens_with_few_distinct_widths(bound, see
     switched in and out meets O(log L) widths (compilations, graphs), not one per gap."""
     drafter = ModelDrafter.__new__(ModelDrafter)  # _window reads only _seen_through
     drafter._seen_through = None if first else max(0, bound - seen_offset)
-    history = History(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), max_length=bound)
+    history = History(torch.zeros(1, 4096, dtype=torch.long), torch.ones(1, dtype=torch.long), max_length=bound)
     window = drafter._window(history)
     assert 1 <= window <= bound
     if first:
         assert window == bound
     else:
-        unseen = max(2, 2 + bound - drafter._seen_through)  # 2 also once the bound is capped at the end
+        unseen = max(2, 2 + bound - drafter._seen_through)
         assert window >= min(unseen, bound)
         assert window == bound or window & (window - 1) == 0
         if unseen <= 2:  # the same drafter drafted the previous step

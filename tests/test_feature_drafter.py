@@ -167,10 +167,75 @@ def test_the_first_compiled_proposal_compiles_every_window_width(target, trained
     graphs = counters["stats"]["unique_graphs"]
     with torch.inference_mode():
         for window in (4, 16, 8):
-            tokens, _ = drafter._draft(history, window, 4, SamplingParams(), torch.rand(1, 4, dtype=torch.float64),
-                                       compiled=True)
+            tokens, _ = drafter._draft(history, window, 4, SamplingParams(), torch.rand(1, 4, dtype=torch.float64))
             assert tokens.shape == (1, 4)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+class _CapturingGraphs:
+    """CUDA graphs as the drafters meet them, on the CPU: a key's first ``run`` is its capture
+    (``captured`` records when: which proposal of the request), later runs replay it (here: run
+    the function again, which reads the same buffers)."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.captured: dict = {}
+        self.proposal = 0
+
+    def __contains__(self, key) -> bool:
+        return key in self.captured
+
+    def run(self, key, fn):
+        self.captured.setdefault(key, self.proposal)
+        return fn()
+
+    def clear(self) -> None:
+        self.captured.clear()
+
+
+@pytest.mark.parametrize("kind", ["feature", "shallow"])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_capturing_every_window_width_first_changes_no_draft(target, trained, shallow, kind, do_sample):
+    """SPEC.md §11, "Every proposal is a graph": the first proposal captures the graphs of every
+    window width (for its γ and sampling parameters), so a catch-up after a gap of any length
+    replays one and no proposal later in the request captures anything; and those captures,
+    which feed committed positions and draft from the step's uniforms, change no draft: the
+    same tokens and the same acceptance at every step as without them, greedy and sampled."""
+    from flashspec.bench.e2e import ScriptedSelector
+    from flashspec.drafters.feature import window_widths
+
+    folder = (trained if kind == "feature" else shallow)[0]
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [5, 5, 5, 5, 5]]
+    # The drafter's arm, then target-only gaps of 1 … 40 steps: windows of 4 … 64 positions.
+    script = [0] + [a for gap in (1, 3, 9, 20, 40) for a in [1] * gap + [0]]
+    sampling = dict(do_sample=True, temperature=0.8, top_k=20, seed=3) if do_sample else {}
+
+    def run(graphs):
+        engine = SpeculativeEngine(target, [f"{kind}:{folder}"], gammas=[3], target_only=True, slack=None,
+                                   device="cpu")
+        engine.selection = engine.new_selection(ScriptedSelector(2, script))
+        drafter = engine.drafters[0]
+        if graphs is not None:
+            drafter._graphs = graphs
+            propose = drafter.propose
+
+            def counted(*args, **kwargs):
+                graphs.proposal += 1
+                return propose(*args, **kwargs)
+            drafter.propose = counted
+        out = engine.generate(prompts, max_new_tokens=120, eos_token_id=[], **sampling)
+        return out.sequences, [(r.arm, r.accepted, r.committed) for r in out.stats.step_log], engine
+
+    graphs = _CapturingGraphs()
+    captured, plain = run(graphs), run(None)
+    assert captured[:2] == plain[:2]
+    assert sum(a for _, a, _ in plain[1] if a) > 0  # drafts were accepted
+    capacity = captured[2]._buffers.tokens.shape[1]
+    params = {key[2] for key in graphs.captured}
+    assert len(params) == 1 and {key[:2] for key in graphs.captured} == {(w, 3) for w in window_widths(capacity)}
+    assert set(graphs.captured.values()) == {1}  # all at the request's first proposal
+    assert graphs.proposal == sum(1 for arm, _, _ in captured[1] if arm != "target@0") > 6
 
 
 def test_proposals_run_in_inference_mode_even_outside_generate(target, trained):
@@ -608,3 +673,26 @@ def test_training_over_a_bfloat16_target_keeps_float32_master_weights(vocab, sel
     out = SpeculativeEngine(target, [f"feature:{tmp_path}"], device="cpu").generate(
         [[1, 2, 3]], max_new_tokens=8, eos_token_id=[])
     assert len(out.sequences[0]) == 8
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.sampled_from([256, 512, 768, 1024]), bound=st.integers(1, 1024), seen=st.integers(0, 1024),
+       first=st.booleans())
+def test_feature_windows_cover_the_unseen_positions_in_few_widths(capacity, bound, seen, first):
+    """SPEC.md §11: a feature (and shallow) drafter's window covers every position whose true
+    feature it has not seen (the whole bound at a request's first proposal), and is always one
+    of the few widths ``window_widths(capacity)``, whose graphs the first proposal captured."""
+    from flashspec.drafters import History
+    from flashspec.drafters.feature import window_widths
+
+    bound = min(bound, capacity)
+    drafter = FeatureDrafter.__new__(FeatureDrafter)  # _window reads only _fed_through
+    drafter._fed_through = None if first else min(seen, bound)
+    history = History(torch.zeros(1, capacity, dtype=torch.long), torch.ones(1, dtype=torch.long), max_length=bound)
+    window = drafter._window(history)
+    widths = window_widths(capacity)
+    assert window in widths and widths == sorted(set(widths)) and widths[-1] == capacity
+    assert len(widths) <= 1 + capacity.bit_length()
+    unseen = bound if first else bound - drafter._fed_through + 1
+    assert window >= min(unseen, capacity) and window >= FeatureDrafter.MIN_WINDOW
+    assert window < 2 * max(unseen, FeatureDrafter.MIN_WINDOW)  # never more than twice the work needed

@@ -16,6 +16,7 @@ whose true feature it has not yet seen (the drafts it fed last time used predict
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from ..graphs import Graphs
 from ..sampling import SamplingParams
 from .base import Draft, History, draw
 
-__all__ = ["FeatureDrafter", "FeatureHead", "SubsetHead", "decoder_layer", "draw_in_subset"]
+__all__ = ["FeatureDrafter", "FeatureHead", "SubsetHead", "decoder_layer", "draw_in_subset", "window_widths"]
 
 PREFIX = "feature:"
 
@@ -147,6 +148,17 @@ def _check_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
 
 
+def window_widths(capacity: int, smallest: int = 4) -> list[int]:
+    """Every catch-up window a proposal over a cache of ``capacity`` positions may take: the
+    powers of two from ``smallest`` below the capacity, then the capacity (SPEC.md §11: one
+    CUDA graph per width, all captured together)."""
+    widths, width = [], smallest
+    while width < capacity:
+        widths.append(width)
+        width *= 2
+    return widths + [capacity]
+
+
 def decoder_layer(config: Any, index: int) -> nn.Module:
     """A decoder layer of ``config``'s architecture (the class transformers' model uses)."""
     from transformers import AutoModelForCausalLM
@@ -258,12 +270,24 @@ class FeatureDrafter:
 
     def _window(self, history: History) -> int:
         """How many trailing committed positions to feed: every one whose true feature this
-        drafter has not yet seen (SPEC.md §11), at least MIN_WINDOW, rounded up to a power of two."""
+        drafter has not yet seen (the whole bound at a request's first proposal, SPEC.md §11),
+        at least MIN_WINDOW, rounded up to a power of two, at most the capacity: always one of
+        :func:`window_widths`."""
         bound = history.length_bound()
-        if self._fed_through is None:
-            return bound
-        unseen = max(1, bound - self._fed_through + 1)
-        return min(bound, max(self.MIN_WINDOW, 1 << (unseen - 1).bit_length()))
+        unseen = bound if self._fed_through is None else max(1, bound - self._fed_through + 1)
+        return min(history.tokens.shape[1], max(self.MIN_WINDOW, 1 << (unseen - 1).bit_length()))
+
+    def _replay(self, history: History, window: int, num_tokens: int, params: SamplingParams,
+                draft: Callable[[int], Any]) -> Any:
+        """``draft(window)``, replayed from its CUDA graph. The first time this ``(num_tokens,
+        params)`` meets the buffers, the graphs of every other window width are captured first,
+        so that no later catch-up captures one inside a request (SPEC.md §11, "Every proposal is
+        a graph"): they feed committed positions, which the proposal itself then feeds again."""
+        if self._graphs.enabled:
+            for width in window_widths(history.tokens.shape[1], self.MIN_WINDOW):
+                if width != window and (width, num_tokens, params) not in self._graphs:
+                    self._graphs.run((width, num_tokens, params), lambda w=width: draft(w))
+        return self._graphs.run((window, num_tokens, params), lambda: draft(window))
 
     @torch.inference_mode()  # also when called outside generate: a compiled proposal must not trace autograd
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
@@ -279,9 +303,8 @@ class FeatureDrafter:
             self._graph_inputs = inputs
         window = self._window(history)
         self._fed_through = history.length_bound()
-        key = None if first else (window, num_tokens, params)
-        tokens, probs = self._graphs.run(key, lambda: self._draft(history, window, num_tokens, params, uniforms,
-                                                                  compiled=key is not None))
+        tokens, probs = self._replay(history, window, num_tokens, params,
+                                     lambda w: self._draft(history, w, num_tokens, params, uniforms))
         return Draft(tokens, probs)
 
     def network(self, tokens: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
@@ -314,15 +337,15 @@ class FeatureDrafter:
         return self.network(token[:, None], feature, position, hidden_out=self._own)[:, 0]
 
     def _draft(self, history: History, window: int, num_tokens: int, params: SamplingParams,
-               uniforms: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pure tensor code (no host reads), so it can be captured as a graph. ``compiled``: the
-        feed and the steps through their compiled forms (at a graph key's few widths only: a
-        first window spans the whole prompt)."""
-        feed, step = (self._feed_step, self._next_step) if compiled else (self._feed, self._next)
+               uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pure tensor code (no host reads), so it can be captured as a graph. With ``compile``,
+        the feed of a window of up to COMPILED_WIDTHS positions and the one-token steps run
+        compiled; a wider window's feed (the prompt's, a long gap's) runs eagerly."""
+        feed, step = self._feed_step, self._next_step
         if window > StaticLM.COMPILED_WIDTHS:
             feed = self._feed
         length, tokens, hidden = history.length, history.tokens, history.hidden[self.feature_layer]
-        if compiled and self.compiled and self._warm_shape != tuple(tokens.shape):
+        if self.compiled and self._warm_shape != tuple(tokens.shape):
             # Compile every window width a later proposal may take now, at the first compiled
             # proposal of this shape (a warm-up's), not inside a later request (SPEC.md §11,
             # compiled proposals). Re-feeding committed positions writes what a feed of them wrote

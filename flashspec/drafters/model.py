@@ -82,7 +82,7 @@ class ModelDrafter:
 
     def _window(self, history: History) -> int:
         """How many trailing committed tokens to re-feed so the cache misses none."""
-        bound = history.length_bound()
+        bound = min(history.length_bound(), history.tokens.shape[1])  # the bound grows past the end
         if self._seen_through is None:
             return bound
         # After drafting in a step, at most 2 committed tokens are unseen (the last draft, never
@@ -91,7 +91,7 @@ class ModelDrafter:
         # two: re-feeding a few seen tokens rewrites their cache entries and costs little in a
         # latency-bound forward, while every distinct width is one more compilation and CUDA
         # graph — met in the middle of timed work when a bandit switches drafters.
-        unseen = max(2, 2 + bound - self._seen_through)  # 2: also once the bound is capped at the end
+        unseen = max(2, 2 + history.length_bound() - self._seen_through)
         if unseen > 2:
             unseen = max(unseen, self.SWITCH_WINDOW)
         return min(bound, 1 << (unseen - 1).bit_length())

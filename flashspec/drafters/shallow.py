@@ -150,6 +150,7 @@ class ShallowDrafter:
                              "SpeculativeEngine, which provides them.")
 
     _window = FeatureDrafter._window
+    _replay = FeatureDrafter._replay
     catch_up = FeatureDrafter.catch_up
 
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
@@ -169,9 +170,9 @@ class ShallowDrafter:
             self._graph_inputs = inputs
         window = self._window(history)
         self._fed_through = history.length_bound()
-        key = None if first else (window, num_tokens, params)
-        tokens, probs, states = self._graphs.run(
-            key, lambda: self._draft(history, window, num_tokens, params, uniforms, below or None))
+        tokens, probs, states = self._replay(
+            history, window, num_tokens, params,
+            lambda w: self._draft(history, w, num_tokens, params, uniforms, below or None))
         return Draft(tokens, probs, states, self.feature_layer if self.reuse else None)
 
     def _draft(self, history: History, window: int, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor,
