@@ -14,7 +14,7 @@ overwritten by the next replay of the same key.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,18 @@ class Graphs:
             outputs = fn()  # recorded, not executed
         self._graphs[key] = (graph, outputs)
         return result
+
+    def run_widths(self, widths: Sequence[int], width: int, key: tuple, fn: Callable[[int], Any]) -> Any:
+        """``fn(width)``, replayed from the graph keyed ``(width, *key)``. The first time ``key``
+        meets these buffers, the graphs of every other width in ``widths`` are captured first, so
+        that no later call of another width captures one inside a request (SPEC.md §11, "Every
+        proposal is a graph"). ``fn(w)`` must be harmless to run for any ``w`` before
+        ``fn(width)`` runs (the drafters' windows re-feed committed positions)."""
+        if self.enabled:
+            for other in widths:
+                if other != width and (other, *key) not in self:
+                    self.run((other, *key), lambda w=other: fn(w))
+        return self.run((width, *key), lambda: fn(width))
 
     def clear(self) -> None:
         """Drop every captured graph (their buffers go with them). The memory pool goes too:

@@ -144,17 +144,23 @@ def decode(plan: Plan, request: Request, stats: GenerationStats, progress: bool 
     forward_before = run.forward_seconds()
     with tqdm(total=run.budget, disable=not progress, desc="generating", unit="tok") as bar:
         # Every step commits at least one token per active row, so max_new_tokens - 1 steps
-        # finish every row; the loop reads the device only every sync_every steps.
+        # finish every row; the loop reads the device at most every sync_every steps, sooner
+        # near the budget's end (SPEC.md §7, "Polls come sooner near the budget's end").
+        next_poll, surely_running = 0, True
         for step in range(request.max_new_tokens - 1):
-            if step % request.sync_every == 0:
+            if step == next_poll:
                 snapshot = run.snapshot()
-                if plan.queue_ahead:
+                ahead = plan.queue_ahead and surely_running
+                if ahead:
                     run.step()  # harmless if every row has finished: it commits nothing
                 running = run.poll(snapshot)
                 bar.update(run.generated_total - bar.n)
                 if not running:
                     break
-                if plan.queue_ahead:
+                fewest = run.fewest_steps_left()
+                gap = min(request.sync_every, max(1, fewest))
+                next_poll, surely_running = step + gap, fewest > gap
+                if ahead:
                     continue
             run.step()
         run.poll()
@@ -399,6 +405,14 @@ class _Run:
         result = self._verify(logits, drafts, probs, self.verify_uniforms[:, : k + 1])
         self.plan.commit_step(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos,
                               result.tokens, result.num_accepted, ws.log, ws.steps_taken, logits, ws.fault)
+
+    def fewest_steps_left(self) -> int:
+        """The fewest steps that can finish every row without an EOS, from the tokens generated
+        as of the last poll: the longest-remaining row has at least the mean remaining budget,
+        and a step commits at most max(γ) + 1 tokens per row (host arithmetic only)."""
+        remaining = self.budget - self.generated_total
+        per_step = max(self.plan.arm_gammas, default=0) + 1
+        return -(-(-(-remaining // self.batch)) // per_step)
 
     def snapshot(self) -> _Snapshot:
         """Start reading the per-step log, the stop flag and the token count back to the host:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -157,6 +159,29 @@ def test_model_drafters_are_prefilled_with_the_target():
     steps = calls[2:]
     assert [n for who, n in steps if who == "target"] == [4] * out.stats.steps
     assert all(n <= 2 for who, n in steps if who == "drafter")
+
+
+@settings(max_examples=20, deadline=None)
+@given(max_new=st.integers(2, 40), sync_every=st.integers(1, 9), gamma=st.integers(1, 5),
+       batch=st.integers(1, 3), ahead=st.booleans())
+def test_polls_come_sooner_near_the_end_and_no_step_is_wasted(max_new, sync_every, gamma, batch, ahead):
+    """SPEC.md §7: without an EOS no step runs after every row reached its budget (each step the
+    drafter proposes for is a step with an active row), whatever sync_every and queueing ahead,
+    and the tokens are those of the loop that polls every step; with drafts accepted, the rows
+    finish well before the loop's last step."""
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]][:batch]
+    kwargs = dict(max_new_tokens=max_new, eos_token_id=[], num_draft_tokens=gamma)
+    drafter = llama(seed=0)  # the target's weights: greedy drafts are accepted, rows finish early
+    reference = SpeculativeEngine(TARGET, [drafter], selector="fixed").generate(prompts, sync_every=1, **kwargs)
+    engine = SpeculativeEngine(TARGET, [drafter], selector="fixed")
+    engine.queue_ahead = ahead
+    drafter, calls = engine.drafters[0], []
+    propose = drafter.propose
+    drafter.propose = lambda *a, **k: calls.append(1) or propose(*a, **k)
+    out = engine.generate(prompts, sync_every=sync_every, **kwargs)
+    assert out.sequences == reference.sequences
+    assert len(calls) == out.stats.steps
+    assert out.stats.accepted > 0 or max_new == 2
 
 
 @pytest.mark.parametrize("sync_every", [1, 3])

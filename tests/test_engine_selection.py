@@ -162,26 +162,35 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from flashspec.drafters.base import History  # noqa: E402
 from flashspec.drafters.model import ModelDrafter  # noqa: E402
+from flashspec.graphs import Graphs  # noqa: E402
 
 
 @settings(max_examples=300, deadline=None)
-@given(bound=st.integers(1, 4096), seen_offset=st.integers(-64, 4096), first=st.booleans())
-def test_drafter_window_covers_unseen_tokens_with_few_distinct_widths(bound, seen_offset, first):
+@given(bound=st.integers(1, 4200), seen_offset=st.integers(-64, 4096), first=st.booleans(),
+       capacity=st.integers(2, 4096), graphs=st.booleans())
+def test_drafter_window_covers_unseen_tokens_with_few_distinct_widths(bound, seen_offset, first, capacity, graphs):
     """SPEC §4: the re-fed window covers every token the cache has not seen (at most the whole
-    history), and is a power of two unless it is the whole history — so a drafter that is
-    switched in and out meets O(log L) widths (compilations, graphs), not one per gap."""
-    drafter = ModelDrafter.__new__(ModelDrafter)  # _window reads only _seen_through
+    cache); with CUDA graphs it is always one of the drafter's few widths (2, then powers of two
+    from 16, then the capacity: one graph each, captured together), the first proposal's too;
+    without them it stops at the bound (the history's length, a prefill's width)."""
+    drafter = ModelDrafter.__new__(ModelDrafter)  # _window reads only _seen_through and _graphs
+    drafter._graphs = Graphs(enabled=False)
+    drafter._graphs.enabled = graphs
     drafter._seen_through = None if first else max(0, bound - seen_offset)
-    history = History(torch.zeros(1, 4096, dtype=torch.long), torch.ones(1, dtype=torch.long), max_length=bound)
+    history = History(torch.zeros(1, capacity, dtype=torch.long), torch.ones(1, dtype=torch.long), max_length=bound)
     window = drafter._window(history)
-    assert 1 <= window <= bound
-    if first:
-        assert window == bound
+    unseen = bound if first else max(2, 2 + bound - drafter._seen_through)
+    assert 1 <= window <= capacity
+    assert window >= min(unseen, capacity, bound)  # nothing unseen is left out
+    if graphs:
+        assert window in drafter.widths(capacity)
+        assert len(drafter.widths(capacity)) <= 2 + max(capacity, 16).bit_length() - 4
     else:
-        unseen = max(2, 2 + bound - drafter._seen_through)
-        assert window >= min(unseen, bound)
-        assert window == bound or window & (window - 1) == 0
-        if unseen <= 2:  # the same drafter drafted the previous step
-            assert window == min(unseen, bound)
-        else:  # a switch: one width for every short gap
-            assert window == bound or window >= ModelDrafter.SWITCH_WINDOW
+        assert window <= bound
+        assert window == min(bound, capacity) or window & (window - 1) == 0
+    if first:
+        assert window >= min(bound, capacity)
+    elif unseen <= 2:  # the same drafter drafted the previous step
+        assert window == min(2, capacity) or window == min(bound, capacity)
+    else:  # a switch: one width for every short gap
+        assert window >= min(ModelDrafter.SWITCH_WINDOW, capacity, bound)

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from flashspec import FeatureDrafter, FeatureHead, ShallowDrafter, ShallowHead, SpeculativeEngine
 from flashspec.cli import main
 from flashspec.train import FLOOR, TrainOptions, load_feature_head, load_head, save_drafter, train_feature_head, train_head
+from flashspec.drafters.feature import window_widths
+from flashspec.graphs import Graphs
 from tiny_models import tiny_model
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -172,14 +174,14 @@ def test_the_first_compiled_proposal_compiles_every_window_width(target, trained
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-class _CapturingGraphs:
+class _CapturingGraphs(Graphs):
     """CUDA graphs as the drafters meet them, on the CPU: a key's first ``run`` is its capture
     (``captured`` records when: which proposal of the request), later runs replay it (here: run
     the function again, which reads the same buffers)."""
 
-    enabled = True
-
     def __init__(self) -> None:
+        super().__init__(enabled=False)
+        self.enabled = True
         self.captured: dict = {}
         self.proposal = 0
 
@@ -194,26 +196,27 @@ class _CapturingGraphs:
         self.captured.clear()
 
 
-@pytest.mark.parametrize("kind", ["feature", "shallow"])
+@pytest.mark.parametrize("kind", ["feature", "shallow", "model"])
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_capturing_every_window_width_first_changes_no_draft(target, trained, shallow, kind, do_sample):
-    """SPEC.md §11, "Every proposal is a graph": the first proposal captures the graphs of every
-    window width (for its γ and sampling parameters), so a catch-up after a gap of any length
-    replays one and no proposal later in the request captures anything; and those captures,
-    which feed committed positions and draft from the step's uniforms, change no draft: the
-    same tokens and the same acceptance at every step as without them, greedy and sampled."""
+    """SPEC.md §4, §11, "Every proposal is a graph": the first proposal captures the graphs of
+    every window width (for its γ and sampling parameters), so a catch-up after a gap of any
+    length replays one and no proposal later in the request captures anything; and those
+    captures, which feed committed positions and draft from the step's uniforms, change no
+    draft: the same tokens and the same acceptance at every step as without them, greedy and
+    sampled (for the model drafter, whose windows with graphs pass the rows' ends, against
+    the same drafter without graphs, whose windows stop at the bound)."""
     from flashspec.bench.e2e import ScriptedSelector
-    from flashspec.drafters.feature import window_widths
 
-    folder = (trained if kind == "feature" else shallow)[0]
+    spec = {"feature": f"feature:{trained[0]}", "shallow": f"shallow:{shallow[0]}",
+            "model": tiny_model("llama", seed=7, vocab_size=64)}[kind]
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [5, 5, 5, 5, 5]]
     # The drafter's arm, then target-only gaps of 1 … 40 steps: windows of 4 … 64 positions.
     script = [0] + [a for gap in (1, 3, 9, 20, 40) for a in [1] * gap + [0]]
     sampling = dict(do_sample=True, temperature=0.8, top_k=20, seed=3) if do_sample else {}
 
     def run(graphs):
-        engine = SpeculativeEngine(target, [f"{kind}:{folder}"], gammas=[3], target_only=True, slack=None,
-                                   device="cpu")
+        engine = SpeculativeEngine(target, [spec], gammas=[3], target_only=True, slack=None, device="cpu")
         engine.selection = engine.new_selection(ScriptedSelector(2, script))
         drafter = engine.drafters[0]
         if graphs is not None:
@@ -233,7 +236,9 @@ def test_capturing_every_window_width_first_changes_no_draft(target, trained, sh
     assert sum(a for _, a, _ in plain[1] if a) > 0  # drafts were accepted
     capacity = captured[2]._buffers.tokens.shape[1]
     params = {key[2] for key in graphs.captured}
-    assert len(params) == 1 and {key[:2] for key in graphs.captured} == {(w, 3) for w in window_widths(capacity)}
+    widths = captured[2].drafters[0].widths(capacity)
+    assert widths == ([2] + window_widths(capacity, 16) if kind == "model" else window_widths(capacity))
+    assert len(params) == 1 and {key[:2] for key in graphs.captured} == {(w, 3) for w in widths}
     assert set(graphs.captured.values()) == {1}  # all at the request's first proposal
     assert graphs.proposal == sum(1 for arm, _, _ in captured[1] if arm != "target@0") > 6
 
@@ -683,7 +688,6 @@ def test_feature_windows_cover_the_unseen_positions_in_few_widths(capacity, boun
     feature it has not seen (the whole bound at a request's first proposal), and is always one
     of the few widths ``window_widths(capacity)``, whose graphs the first proposal captured."""
     from flashspec.drafters import History
-    from flashspec.drafters.feature import window_widths
 
     bound = min(bound, capacity)
     drafter = FeatureDrafter.__new__(FeatureDrafter)  # _window reads only _fed_through

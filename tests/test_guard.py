@@ -327,7 +327,8 @@ def test_drafters_are_not_prefilled_a_request_pays_only_for_the_drafters_it_runs
 
 
 def test_model_and_feature_drafters_say_how_wide_their_next_catch_up_is(tmp_path):
-    """``catch_up``: the whole prefix at the first proposal of a request, 0 right after drafting,
+    """``catch_up``: the whole prefix at the first proposal of a request (rounded up to a graph's
+    width where the windows are graphs), 0 right after drafting,
     0 after a short gap (a compiled width), the re-fed window after a long one (SPEC.md §4)."""
     from flashspec import History, SamplingParams
     from flashspec.drafters.feature import FeatureHead
@@ -347,15 +348,17 @@ def test_model_and_feature_drafters_say_how_wide_their_next_catch_up_is(tmp_path
     model, feature, ngram = engine.drafters
     assert not hasattr(ngram, "catch_up")
     engine._target_lm.reset(1, 256)
-    for drafter in (model, feature):
+    # The first window: the prefix (the model drafter on the CPU: no graphs, it stops at the
+    # bound), rounded up to a power of two (the feature drafter: one of its graphs' widths).
+    for drafter, first in ((model, 40), (feature, 64)):
         drafter.begin(1)
-        assert drafter.catch_up(history(40)) == 40
+        assert drafter.catch_up(history(40)) == first
         drafter.propose(history(40), 3, params, torch.zeros(1, 3, dtype=torch.float64))
         assert drafter.catch_up(history(44)) == 0  # it drafted the last step: a steady window
         assert drafter.catch_up(history(52)) == 0  # 8 more: still a compiled width
         assert drafter.catch_up(history(80)) == drafter._window(history(80)) == 64  # 36 missed
         drafter.begin(1)  # a new request: the prefix again
-        assert drafter.catch_up(history(80)) == 80
+        assert drafter.catch_up(history(80)) == (80 if drafter is model else 128)
 
 
 def test_the_engine_carries_what_catch_ups_cost_to_the_next_request():

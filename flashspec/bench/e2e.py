@@ -255,7 +255,9 @@ class FlashSpecSystem(System):
     selector_options: dict[str, Any] = field(default_factory=dict)
 
     # Steps of another arm between two proposals of a drafter with a cache, in a warm-up: the
-    # catch-up widths a switch back meets (16, 32, 64, 128, SPEC §4).
+    # catch-up widths a switch back meets (16, 32, 64, 128, SPEC §4). The script starts with
+    # one step of the other arm, so that the guard measures the first proposal (the prompt's
+    # feed) as a catch-up too.
     GAPS = (1, 20, 40, 90)
 
     def warm(self, prompts, new_tokens, temperature, seed):
@@ -278,7 +280,7 @@ class FlashSpecSystem(System):
                     gap = next((b for b, (e, _) in enumerate(engine.arms) if e != d), None)
                 if d is None or gap is None or not hasattr(engine.drafters[d], "catch_up"):
                     continue
-                script = [arm] + [a for steps in self.GAPS for a in [gap] * steps + [arm]]
+                script = [gap, arm] + [a for steps in self.GAPS for a in [gap] * steps + [arm]]
                 for _ in range(2):  # the second time: the graphs are captured, what is measured is what recurs
                     engine.selection = engine.new_selection(ScriptedSelector(len(engine.arms), script))
                     super().warm(prompts, new_tokens, temperature, seed)

@@ -16,7 +16,6 @@ whose true feature it has not yet seen (the drafts it fed last time used predict
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -277,17 +276,10 @@ class FeatureDrafter:
         unseen = bound if self._fed_through is None else max(1, bound - self._fed_through + 1)
         return min(history.tokens.shape[1], max(self.MIN_WINDOW, 1 << (unseen - 1).bit_length()))
 
-    def _replay(self, history: History, window: int, num_tokens: int, params: SamplingParams,
-                draft: Callable[[int], Any]) -> Any:
-        """``draft(window)``, replayed from its CUDA graph. The first time this ``(num_tokens,
-        params)`` meets the buffers, the graphs of every other window width are captured first,
-        so that no later catch-up captures one inside a request (SPEC.md §11, "Every proposal is
-        a graph"): they feed committed positions, which the proposal itself then feeds again."""
-        if self._graphs.enabled:
-            for width in window_widths(history.tokens.shape[1], self.MIN_WINDOW):
-                if width != window and (width, num_tokens, params) not in self._graphs:
-                    self._graphs.run((width, num_tokens, params), lambda w=width: draft(w))
-        return self._graphs.run((window, num_tokens, params), lambda: draft(window))
+    def widths(self, capacity: int) -> list[int]:
+        """Every window a proposal over a cache of ``capacity`` positions may feed (one CUDA
+        graph each, all captured at once: SPEC.md §11)."""
+        return window_widths(capacity, self.MIN_WINDOW)
 
     @torch.inference_mode()  # also when called outside generate: a compiled proposal must not trace autograd
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
@@ -303,8 +295,8 @@ class FeatureDrafter:
             self._graph_inputs = inputs
         window = self._window(history)
         self._fed_through = history.length_bound()
-        tokens, probs = self._replay(history, window, num_tokens, params,
-                                     lambda w: self._draft(history, w, num_tokens, params, uniforms))
+        tokens, probs = self._graphs.run_widths(self.widths(history.tokens.shape[1]), window, (num_tokens, params),
+                                                lambda w: self._draft(history, w, num_tokens, params, uniforms))
         return Draft(tokens, probs)
 
     def network(self, tokens: torch.Tensor, features: torch.Tensor, start: torch.Tensor,

@@ -9,6 +9,7 @@ from ..cache import StaticLM, make_lm
 from ..graphs import Graphs
 from ..sampling import SamplingParams
 from .base import Draft, History, draw
+from .feature import window_widths
 
 
 class ModelDrafter:
@@ -81,20 +82,31 @@ class ModelDrafter:
         return window if self._seen_through is None or window > self.SWITCH_WINDOW else 0
 
     def _window(self, history: History) -> int:
-        """How many trailing committed tokens to re-feed so the cache misses none."""
-        bound = min(history.length_bound(), history.tokens.shape[1])  # the bound grows past the end
-        if self._seen_through is None:
-            return bound
-        # After drafting in a step, at most 2 committed tokens are unseen (the last draft, never
-        # fed, and the target's token); each later step adds at most its length growth. After a
-        # gap (another drafter drafted), the width is at least SWITCH_WINDOW, then a power of
-        # two: re-feeding a few seen tokens rewrites their cache entries and costs little in a
-        # latency-bound forward, while every distinct width is one more compilation and CUDA
-        # graph — met in the middle of timed work when a bandit switches drafters.
-        unseen = max(2, 2 + history.length_bound() - self._seen_through)
-        if unseen > 2:
-            unseen = max(unseen, self.SWITCH_WINDOW)
-        return min(bound, 1 << (unseen - 1).bit_length())
+        """How many trailing committed tokens to re-feed so the cache misses none: with CUDA
+        graphs always one of :meth:`widths` (SPEC.md §4)."""
+        bound = history.length_bound()
+        if self._seen_through is None:  # the first proposal of a request: the whole prompt
+            unseen = max(bound, self.SWITCH_WINDOW)
+        else:
+            # After drafting in a step, at most 2 committed tokens are unseen (the last draft,
+            # never fed, and the target's token); each later step adds at most its length
+            # growth. After a gap (another drafter drafted), the width is at least
+            # SWITCH_WINDOW: re-feeding a few seen tokens rewrites their cache entries and costs
+            # little in a latency-bound forward, while every distinct width is one more
+            # compilation and CUDA graph.
+            unseen = max(2, 2 + bound - self._seen_through)
+            if unseen > 2:
+                unseen = max(unseen, self.SWITCH_WINDOW)
+        width = min(history.tokens.shape[1], 1 << (unseen - 1).bit_length())  # the bound grows past the end
+        # With graphs, a window may pass the rows' ends (positions rewritten before they are
+        # read); without them (any cache, the CPU) it stops at the bound, a prefill's width.
+        return width if self._graphs.enabled else min(width, bound)
+
+    def widths(self, capacity: int) -> list[int]:
+        """Every window a proposal over a cache of ``capacity`` positions may feed: 2 (a steady
+        step), then the powers of two from SWITCH_WINDOW up to the capacity (one CUDA graph
+        each, all captured at once: SPEC.md §4)."""
+        return sorted({min(2, capacity), *window_widths(capacity, self.SWITCH_WINDOW)})
 
     def propose(
         self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor
@@ -112,12 +124,13 @@ class ModelDrafter:
             self._graph_inputs = inputs
         window = self._window(history)
         self._seen_through = history.length_bound() + num_tokens + 1
-        # A proposal over the whole prompt happens at most once per request: not worth a graph.
-        key = None if first else (window, num_tokens, params)
-        tokens, probs = self._graphs.run(
-            key, lambda: self._draft(history.tokens, history.length, active, uniforms, window, num_tokens, params,
-                                     eager=first)
-        )
+        # Every window replays a graph, the prompt's feed included; without graphs (the CPU) the
+        # first proposal's feed runs eagerly, so that no prompt length compiles (SPEC.md §3, §4).
+        eager = first and not self._graphs.enabled
+        tokens, probs = self._graphs.run_widths(
+            self.widths(history.tokens.shape[1]), window, (num_tokens, params),
+            lambda w: self._draft(history.tokens, history.length, active, uniforms, w, num_tokens, params,
+                                  eager=eager))
         return Draft(tokens, probs)
 
     def _draft(
@@ -132,8 +145,7 @@ class ModelDrafter:
         eager: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pure tensor code (no host reads), so it can be captured as a graph. ``eager``: the
-        re-feed is the first proposal's pass over the prompt, a prefill: never compiled, so that
-        a new prompt length compiles nothing (SPEC.md §3)."""
+        re-feed (a first proposal's pass over the prompt, without graphs) is never compiled."""
         capacity = history.shape[1]
         start = (length - window).clamp(min=0)
         index = start[:, None] + torch.arange(window, device=length.device)

@@ -150,7 +150,7 @@ class ShallowDrafter:
                              "SpeculativeEngine, which provides them.")
 
     _window = FeatureDrafter._window
-    _replay = FeatureDrafter._replay
+    widths = FeatureDrafter.widths
     catch_up = FeatureDrafter.catch_up
 
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
@@ -170,8 +170,8 @@ class ShallowDrafter:
             self._graph_inputs = inputs
         window = self._window(history)
         self._fed_through = history.length_bound()
-        tokens, probs, states = self._replay(
-            history, window, num_tokens, params,
+        tokens, probs, states = self._graphs.run_widths(
+            self.widths(history.tokens.shape[1]), window, (num_tokens, params),
             lambda w: self._draft(history, w, num_tokens, params, uniforms, below or None))
         return Draft(tokens, probs, states, self.feature_layer if self.reuse else None)
 
