@@ -19,7 +19,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["Graphs"]
+__all__ = ["Graphs", "window_widths"]
+
+
+def window_widths(capacity: int, smallest: int = 4) -> list[int]:
+    """Every catch-up window a proposal over a cache of ``capacity`` positions may take: the
+    powers of two from ``smallest`` below the capacity, then the capacity (SPEC.md §7, §11:
+    one CUDA graph per width, all captured together)."""
+    widths, width = [], smallest
+    while width < capacity:
+        widths.append(width)
+        width *= 2
+    return widths + [capacity]
 
 
 class Graphs:

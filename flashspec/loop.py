@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .drafters import Drafter, History
-from .graphs import Graphs
+from .graphs import Graphs, window_widths
 from .request import Request
 from .select import Observation, Selector
 from .select.guard import Guard
@@ -231,12 +231,26 @@ class _Run:
             drafter.begin(self.batch)
 
     def prefill(self) -> None:
-        """Feed every prompt once and draw the first new token from the target alone."""
+        """Feed every prompt once and draw the first new token from the target alone: on CUDA
+        (one device) replayed from a graph at a padded width (SPEC.md §7, "The prefill is a
+        graph too"), else eagerly at the prompts' width."""
         zeros = torch.zeros_like(self.length)
-        width = self.max_length
-        real = (torch.arange(width, device=self.tokens.device) < self.length[:, None]).long()
-        logits = self.plan.target.forward(self.tokens[:, :width], zeros, real, logits_at=(self.length - 1)[:, None],
-                                          eager=True, **self._features)
+        graphs, capacity = self.plan.graphs, self.tokens.shape[1]
+
+        def forward(width: int) -> torch.Tensor:
+            # (A narrower width than the prompts' is only ever run to capture its graph: its
+            # logits are never read, and clamping keeps its gather in bounds.)
+            real = (torch.arange(width, device=self.tokens.device) < self.length[:, None]).long()
+            last = (self.length - 1).clamp(max=width - 1)[:, None]
+            return self.plan.target.forward(self.tokens[:, :width], torch.zeros_like(self.length), real,
+                                            logits_at=last, eager=True, **self._features)
+
+        if graphs.enabled and self.plan.tp is None:
+            widths = window_widths(capacity, 16)
+            width = next(w for w in widths if w >= self.max_length)
+            logits = graphs.run_widths(widths, width, ("prefill",), forward)
+        else:
+            logits = forward(self.max_length)
         finite = torch.isfinite(logits).flatten(1).all(dim=1)
         if not bool(finite.all()):  # the prefill reads back once anyway (its time is measured)
             row = int((~finite).long().argmax())

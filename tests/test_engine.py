@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flashspec import SpeculativeEngine
+from flashspec.graphs import Graphs, window_widths
 
 
 def llama(seed: int = 0, vocab: int = 40) -> LlamaForCausalLM:
@@ -159,6 +160,50 @@ def test_model_drafters_are_prefilled_with_the_target():
     steps = calls[2:]
     assert [n for who, n in steps if who == "target"] == [4] * out.stats.steps
     assert all(n <= 2 for who, n in steps if who == "drafter")
+
+
+class _RecordingGraphs(Graphs):
+    """CUDA graphs as the loop meets them, on the CPU: each key is recorded at its first run and
+    every run runs the function (which reads the same buffers a replay would)."""
+
+    def __init__(self) -> None:
+        super().__init__(enabled=False)
+        self.enabled = True
+        self.keys: list = []
+
+    def __contains__(self, key) -> bool:
+        return key in self.keys
+
+    def run(self, key, fn):
+        if key not in self.keys:
+            self.keys.append(key)
+        return fn()
+
+    def clear(self) -> None:
+        self.keys.clear()
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_prefills_padded_to_graph_widths_change_nothing(do_sample):
+    """SPEC.md §7, "The prefill is a graph too": with graphs the prefill feeds the prompts at the
+    narrowest graph width that holds the longest (zeros past each row), and the first prefill of
+    a workspace captures every width; the tokens are those of the unpadded eager prefill, greedy
+    and sampled, alone and in a ragged batch."""
+    sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=4) if do_sample else {}
+    for prompts in ([[1, 2, 3]], [[4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]],
+                    [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]):
+        kwargs = dict(max_new_tokens=10, eos_token_id=[], **sampling)
+        plain = SpeculativeEngine(TARGET, [llama(seed=5)]).generate(prompts, **kwargs)
+        engine = SpeculativeEngine(TARGET, [llama(seed=5)])
+        engine._graphs = graphs = _RecordingGraphs()
+        out = engine.generate(prompts, **kwargs)
+        assert out.sequences == plain.sequences
+        capacity = engine._buffers.tokens.shape[1]
+        widths = window_widths(capacity, 16)
+        prefills = [key for key in graphs.keys if key[1:] == ("prefill",)]
+        longest = max(map(len, prompts))
+        own = next(w for w in widths if w >= longest)
+        assert prefills == [(w, "prefill") for w in widths if w != own] + [(own, "prefill")]
 
 
 @settings(max_examples=20, deadline=None)

@@ -121,6 +121,25 @@ def test_compiled_feature_proposals_in_graphs_match_hf_generate_float32(arch, dr
         assert engine.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=gamma, eos_token_id=[]).sequences == expected
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_graph_prefills_match_hf_generate_float32(arch):
+    """SPEC.md §7, "The prefill is a graph too": prompts of many lengths, alone and batched, fed at
+    padded widths and replayed from graphs that the first prefill of a workspace captured at
+    every width: the greedy output is still model.generate's."""
+    from flashspec.graphs import window_widths
+
+    target = tiny(arch, 0)
+    engine = SpeculativeEngine(target, [tiny(arch, 1)], compile=True)
+    prompts = [[(7 * i) % 90 + 1 for i in range(n)] for n in (3, 16, 17, 40, 100)]
+    for prompt in prompts:
+        assert engine.generate([prompt], max_new_tokens=12, eos_token_id=[]).sequences == [hf_greedy(target, prompt, 12)]
+    batch = engine.generate(prompts[:3], max_new_tokens=12, eos_token_id=[]).sequences
+    assert batch == [hf_greedy(target, p, 12) for p in prompts[:3]]
+    capacity = engine._buffers.tokens.shape[1]
+    prefills = {key[0] for key in engine._graphs._graphs if isinstance(key, tuple) and key[1:] == ("prefill",)}
+    assert prefills == set(window_widths(capacity, 16))
+
+
 @pytest.mark.parametrize("drafter", ["feature", "compact"])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(do_sample=True, temperature=0.7, top_p=0.9)])
 def test_compiled_steps_do_not_synchronise(drafter, params):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..cache import StaticLM
-from ..graphs import Graphs
+from ..graphs import Graphs, window_widths
 from ..sampling import SamplingParams
 from .base import Draft, History, draw
 
@@ -145,17 +145,6 @@ def draw_in_subset(logits: torch.Tensor, vocab: torch.Tensor, vocab_size: int, p
 def _check_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
-
-
-def window_widths(capacity: int, smallest: int = 4) -> list[int]:
-    """Every catch-up window a proposal over a cache of ``capacity`` positions may take: the
-    powers of two from ``smallest`` below the capacity, then the capacity (SPEC.md §11: one
-    CUDA graph per width, all captured together)."""
-    widths, width = [], smallest
-    while width < capacity:
-        widths.append(width)
-        width *= 2
-    return widths + [capacity]
 
 
 def decoder_layer(config: Any, index: int) -> nn.Module:

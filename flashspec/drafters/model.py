@@ -6,10 +6,9 @@ import torch
 from transformers import PreTrainedModel
 
 from ..cache import StaticLM, make_lm
-from ..graphs import Graphs
+from ..graphs import Graphs, window_widths
 from ..sampling import SamplingParams
 from .base import Draft, History, draw
-from .feature import window_widths
 
 
 class ModelDrafter:
