@@ -8,6 +8,7 @@ turns a ``ValueError`` into a one-line error and exit code 2.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from typing import Any
 
@@ -128,6 +129,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16 here (timed once)")
     p.add_argument("--no-calibration-cache", action="store_true",
                    help="time forwards and steps again even when cached timings match")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="with a comparison: alternating speculative / target-only pairs; the speedup is their "
+                        "median ratio (default 3: one pair is too noisy on a shared machine)")
 
 
 # ----------------------------------------------------------------------------- commands
@@ -276,8 +280,9 @@ def _explain_speedup(engine: Any, stats: Any, speedup: float) -> None:
         print(f"the never-slower guard ran the target alone instead of a drafter on {stats.guard_refused} of "
               f"{stats.steps} steps")
     if speedup < 1.0:
-        print(f"drafting did not pay on this request: it ran within the guard's {DEFAULT_SLACK:.0%} of the target "
-              "alone (plus one step); differences this small are mostly timing noise")
+        print(f"drafting did not pay here: the never-slower guard keeps the speculative decode steps within "
+              f"{DEFAULT_SLACK:.0%} (plus one step) of the target-only steps it measured in the same run; it cannot "
+              "see the machine's speed change between two runs (the pairs' spread above)")
 
 
 
@@ -308,6 +313,9 @@ def _sampling_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 means greedy); got {args.temperature}.")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}.")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats is how many speculative / target-only pairs to time: at least 1; "
+                         f"got {args.repeats}.")
     if args.num_draft_tokens is not None and not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"--num-draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}; got {args.num_draft_tokens}.")
     do_sample = args.temperature > 0
@@ -344,7 +352,17 @@ def _complete(engine: Any, baseline: Any, prompt: str, args: argparse.Namespace)
         return
     base = baseline.generate(prompt, progress=True, **options)
     _report("target-only", base)
-    speedup = out.stats.tokens_per_second / base.stats.tokens_per_second
+    # Alternating pairs, the median ratio (SPEC.md §13): one pair is as noisy as the machine.
+    ratios = [out.stats.tokens_per_second / base.stats.tokens_per_second]
+    for pair in range(2, args.repeats + 1):
+        again = engine.generate(prompt, **options)
+        _report(f"speculative, pair {pair}", again)
+        alone = baseline.generate(prompt, **options)
+        _report(f"target-only, pair {pair}", alone)
+        ratios.append(again.stats.tokens_per_second / alone.stats.tokens_per_second)
+    speedup = statistics.median(ratios)
+    if len(ratios) > 1:
+        print(f"pairs: {', '.join(f'{r:.2f}x' for r in ratios)}; median {speedup:.2f}x")
     _explain_speedup(engine, out.stats, speedup)
     if base.sequences == out.sequences:
         same = "identical"

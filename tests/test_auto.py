@@ -146,11 +146,17 @@ def test_bad_max_gamma_is_refused(bad):
 def test_generate_compare_prints_the_choice_and_why(tmp_path, capsys):
     folder, draft = save_tiny_chat_pair(tmp_path)
     code = main(["generate", "--target", str(folder), "--draft", str(draft), "--draft", "ngram", "--prompt", "abc",
-                 "--max-new-tokens", "12", "--compare", "--device", "cpu"])
+                 "--max-new-tokens", "12", "--compare", "--device", "cpu", "--repeats", "2"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "dtype: " in out and "target forward ms by tokens, float32" in out and "one decode step" in out
     assert "[speculative]" in out and "[target-only]" in out and "speedup" in out
+    # two alternating pairs, the speedup their median (SPEC.md §13)
+    assert "[speculative, pair 2]" in out and "[target-only, pair 2]" in out
+    pairs = [float(r.rstrip("x")) for r in out.split("pairs: ")[1].split(";")[0].split(", ")]
+    median = float(out.split("; median ")[1].split("x")[0])
+    assert len(pairs) == 2 and abs(median - sum(pairs) / 2) < 0.011
+    assert f"speedup {median:.2f}x" in out
     assert ("steps by arm" in out) or ("no drafter can pay on this machine" in out)
 
 

@@ -12,6 +12,15 @@ def test_generate_with_a_missing_model_is_a_clean_error(capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["generate", "--target", "/nonexistent/model.gguf", "--prompt", "x", "--compare"],
+                                     ["demo"]])
+@pytest.mark.parametrize("repeats", ["0", "-2"])
+def test_bad_repeats_are_a_clean_error(command, repeats, capsys):
+    """Checked before any download or model loading."""
+    assert main([*command, "--repeats", repeats]) == 2
+    assert "--repeats" in capsys.readouterr().err
+
+
 def test_bad_temperatures_list_is_a_clean_error(capsys):
     assert main(["bench", "core", "--target", "/nonexistent.gguf", "--draft", "ngram", "--temperatures", "a,b"]) == 2
     assert "--temperatures" in capsys.readouterr().err
