@@ -26,6 +26,7 @@ from transformers import (
 from stats_helpers import ALPHA, chi2_pvalue
 
 from flashspec import DatastoreDrafter, Draft, History, SamplingParams, SpeculativeEngine
+from flashspec.graphs import Graphs
 
 V = 8
 SAMPLES = 20_000
@@ -222,6 +223,43 @@ def test_engine_samples_the_exact_target_law(drafter, temperature, top_k, top_p,
         assert run_stats.acceptance_rate > 0.99
     if drafter in ("noisy", "independent", "ngram", "store", "early-exit", "feature", "shallow"):
         assert 0.0 < run_stats.acceptance_rate < 1.0  # both the accept and the reject paths ran
+
+
+class _PaddedWidths(Graphs):
+    """The widths that CUDA graphs impose, on the CPU: the prefill padded to a graph width and the
+    drafters' windows rounded up (past the rows' ends), every call run eagerly (SPEC.md §4, §7)."""
+
+    def __init__(self) -> None:
+        super().__init__(enabled=False)
+        self.enabled = True
+
+    def run(self, key, fn):
+        return fn()
+
+    def run_widths(self, widths, width, key, fn):
+        return fn(width)
+
+    def clear(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("drafter,temperature,top_k,top_p,gamma", [
+    ("noisy", 0.8, 5, 1.0, 1), ("noisy", 1.2, 0, 0.9, 3), ("feature", 0.7, 0, 0.85, 3), ("none", 0.6, 4, 1.0, 4)])
+def test_the_padded_widths_of_cuda_graphs_keep_the_law(drafter, temperature, top_k, top_p, gamma):
+    """The prefill fed at a padded graph width and the drafters' windows at their graph widths
+    (SPEC.md §4, §7): samples still follow the target's exact law."""
+    made = DRAFTERS[drafter]()
+    engine = SpeculativeEngine(TARGET, [made] if made is not None else [], selector="fixed")
+    engine._graphs = _PaddedWidths()
+    for d in engine.drafters:
+        d._graphs = _PaddedWidths()
+    out = engine.generate([PROMPT] * SAMPLES, max_new_tokens=5, do_sample=True, temperature=temperature, top_k=top_k,
+                          top_p=top_p, num_draft_tokens=gamma, eos_token_id=[], seed=99)
+    samples = np.array([s[:3] for s in out.sequences])
+    pvalue = chi_square_pvalue(samples, exact_law(temperature, top_k, top_p))
+    assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: output law differs from the target's"
+    if drafter != "none":
+        assert 0.0 < out.stats.acceptance_rate < 1.0
 
 
 def test_power_temperature_ignored_would_fail():
