@@ -424,9 +424,9 @@ class _Run:
         """The fewest steps that can finish every row without an EOS, from the tokens generated
         as of the last poll: the longest-remaining row has at least the mean remaining budget,
         and a step commits at most max(γ) + 1 tokens per row (host arithmetic only)."""
-        remaining = self.budget - self.generated_total
+        longest = -(-(self.budget - self.generated_total) // self.batch)  # ⌈R / B⌉
         per_step = max(self.plan.arm_gammas, default=0) + 1
-        return -(-(-(-remaining // self.batch)) // per_step)
+        return -(-longest // per_step)
 
     def snapshot(self) -> _Snapshot:
         """Start reading the per-step log, the stop flag and the token count back to the host:
