@@ -129,7 +129,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16 here (timed once)")
     p.add_argument("--no-calibration-cache", action="store_true",
                    help="time forwards and steps again even when cached timings match")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=int, default=None,
                    help="with a comparison: alternating speculative / target-only pairs; the speedup is their "
                         "median ratio (default 3: one pair is too noisy on a shared machine)")
 
@@ -313,7 +313,9 @@ def _sampling_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 means greedy); got {args.temperature}.")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}.")
-    if args.repeats < 1:
+    if args.repeats is not None and not getattr(args, "compare", True):
+        raise ValueError("--repeats sets how many speculative / target-only pairs --compare times: add --compare.")
+    if args.repeats is not None and args.repeats < 1:
         raise ValueError(f"--repeats is how many speculative / target-only pairs to time: at least 1; "
                          f"got {args.repeats}.")
     if args.num_draft_tokens is not None and not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -354,7 +356,7 @@ def _complete(engine: Any, baseline: Any, prompt: str, args: argparse.Namespace)
     _report("target-only", base)
     # Alternating pairs, the median ratio (SPEC.md §13): one pair is as noisy as the machine.
     ratios = [out.stats.tokens_per_second / base.stats.tokens_per_second]
-    for pair in range(2, args.repeats + 1):
+    for pair in range(2, (args.repeats or 3) + 1):
         again = engine.generate(prompt, **options)
         _report(f"speculative, pair {pair}", again)
         alone = baseline.generate(prompt, **options)

@@ -21,6 +21,11 @@ def test_bad_repeats_are_a_clean_error(command, repeats, capsys):
     assert "--repeats" in capsys.readouterr().err
 
 
+def test_repeats_without_a_comparison_is_a_clean_error(capsys):
+    assert main(["generate", "--target", "/nonexistent/model.gguf", "--prompt", "x", "--repeats", "2"]) == 2
+    assert "--repeats" in capsys.readouterr().err
+
+
 def test_bad_temperatures_list_is_a_clean_error(capsys):
     assert main(["bench", "core", "--target", "/nonexistent.gguf", "--draft", "ngram", "--temperatures", "a,b"]) == 2
     assert "--temperatures" in capsys.readouterr().err
