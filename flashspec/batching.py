@@ -36,7 +36,7 @@ from .drafters import (
     ShallowDrafter,
 )
 from .drafters.base import History
-from .graphs import Graphs
+from .graphs import Graphs, window_widths
 from .loop import FAULTS, Plan, Workspace, _Run, commit_tokens
 from .models import context_window, eval_mode
 from .request import MAX_TOKENS_WITHOUT_WINDOW, parse_request
@@ -124,6 +124,12 @@ class _BatchRun(_Run):
         # step reads them: the graph key is the list of parameters, not the slots, SPEC.md §12).
         self.param_sets: tuple[SamplingParams, ...] = ()
         self._masks = torch.zeros(self.batch, self.batch, dtype=torch.bool, device=device)
+        # Joins replay graphs captured at warm-up, one per (slot, padded width), reading these
+        # buffers: the start position (0) and the column of the logits (P − 1) (SPEC.md §12,
+        # "Joins are graphs too"). Their own Graphs: the steps' limit does not bound them.
+        self.join_graphs = Graphs(enabled=plan.graphs.enabled)
+        self._join_start = torch.zeros(1, dtype=torch.long, device=device)
+        self._join_last = torch.zeros(1, 1, dtype=torch.long, device=device)
         for drafter in plan.drafters:
             drafter.begin(self.batch)
 
@@ -186,15 +192,13 @@ class _BatchRun(_Run):
         ws.active[b] = True
         one = slice(b, b + 1)
         zeros = torch.zeros(1, dtype=torch.long, device=device)
-        features = {} if ws.hidden is None else {"hidden_out": {n: h[one] for n, h in ws.hidden.items()}}
         # Fed at a warmed width (SPEC.md §12, "Prefill widths"): the positions past the prompt are
         # zeros whose cache entries are overwritten before any query reads them (§3).
         fed = self.prefill_width(width)
         started = time.perf_counter()
-        with self.plan.target.only_row(b):
-            logits = self.plan.target.forward(ws.tokens[one, :fed], zeros, None,
-                                              logits_at=torch.tensor([[width - 1]], device=device), eager=True,
-                                              **features)
+        self._join_last.fill_(width - 1)
+        key = ("join", b, fed)
+        logits = self.join_graphs.run(key if key in self.join_graphs else None, lambda: self._join_forward(b, fed))
         finite = bool(torch.isfinite(logits).all())  # (a read-back: the prefill's time is known here)
         if self.plan.guard is not None:  # the scale of an unmeasured catch-up's cost (SPEC.md §8)
             self.plan.guard.prefill(time.perf_counter() - started, width)
@@ -213,6 +217,30 @@ class _BatchRun(_Run):
             prefill_row = getattr(drafter, "prefill_row", None)
             if prefill_row is not None:
                 prefill_row(history, b, **({} if fed == width else {"width": fed}))
+
+    def _join_forward(self, b: int, fed: int) -> torch.Tensor:
+        """The target's prefill of slot ``b`` over ``tokens[b, :fed]`` through a view of its cache
+        row, logits ``[1, 1, V]`` at the column in ``_join_last`` (graph-safe: buffers only)."""
+        ws, one = self.ws, slice(b, b + 1)
+        features = {} if ws.hidden is None else {"hidden_out": {n: h[one] for n, h in ws.hidden.items()}}
+        with self.plan.target.only_row(b):
+            return self.plan.target.forward(ws.tokens[one, :fed], self._join_start, None, logits_at=self._join_last,
+                                            eager=True, **features)
+
+    def capture_joins(self) -> None:
+        """Pad joins to §7's prefill widths and capture the join of every slot at each, the
+        target's and each drafter's that can (``capture_joins``), with every slot free (SPEC.md
+        §12, "Joins are graphs too"). Called by :meth:`Batch.warmup` when the steps are graphs."""
+        self.prefill_widths = tuple(window_widths(self.ws.tokens.shape[1], 16))
+        self._join_last.zero_()
+        for b in range(self.batch):
+            for fed in self.prefill_widths:
+                self.join_graphs.run(("join", b, fed), lambda b=b, fed=fed: self._join_forward(b, fed))
+        history = History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden)
+        for drafter in self.plan.drafters:
+            capture = getattr(drafter, "capture_joins", None)
+            if capture is not None:
+                capture(history, self.prefill_widths)
 
     # The widths a joining prompt is fed at (set by Batch.warmup on CUDA, SPEC.md §12): a prompt
     # is padded to the narrowest of them that holds it; () or a longer prompt: its own length.
@@ -496,7 +524,10 @@ class Batch:
             self.cancel(handle)
             run.after_poll()
         if run.ws.tokens.is_cuda if pad is None else pad:
-            run.prefill_widths = tuple(widths)
+            if run.join_graphs.enabled:  # joins replay graphs at §7's prefill widths (SPEC.md §12)
+                run.capture_joins()
+            else:
+                run.prefill_widths = tuple(widths)
         return time.perf_counter() - started
 
     # ------------------------------------------------------------------ lifetime

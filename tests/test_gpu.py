@@ -177,6 +177,45 @@ def test_a_compiled_batch_on_cuda_equals_generate_and_compiles_nothing_after_its
         assert got[handle] == hf_greedy(target, prompts[i], 12), i
 
 
+@pytest.mark.parametrize("drafter", ["model", "ngram", "feature"])
+def test_joins_replay_graphs_captured_at_warm_up_and_equal_generate(drafter):
+    """SPEC.md §12, "Joins are graphs too": after the warm-up, joins are padded to the prefill
+    widths 16, 32, 64, 128 (a cache of 128), the target's join and a model drafter's are captured
+    for every slot at every width, prompts of new lengths (1 … 100) joining every slot replay
+    them and capture nothing more, and each request equals ``model.generate`` (float32, greedy)."""
+    from flashspec.drafters import ModelDrafter
+    from flashspec.graphs import window_widths
+
+    target = tiny("llama", 0)
+    engine = SpeculativeEngine(target, drafters_for(drafter, target))
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((1, 5, 16, 17, 40, 100, 3, 64))]
+    models = [d for d in engine.drafters if isinstance(d, ModelDrafter)]
+    with engine.batch(slots=3, max_length=128) as batch:
+        batch.warmup([1, 4])
+        run = batch._run
+        widths = window_widths(128, 16)
+        assert run.prefill_widths == tuple(widths) == (16, 32, 64, 128)
+        keys = {("join", b, w) for b in range(3) for w in widths}
+        assert all(key in run.join_graphs for key in keys) and len(run.join_graphs) == len(keys)
+        assert all(key in d._graphs for d in models for key in keys)
+        replayed, real_run = [], run.join_graphs.run
+        run.join_graphs.run = lambda key, fn: (replayed.append(key), real_run(key, fn))[1]
+        got, names, pending = {}, {}, list(range(len(prompts)))
+        while pending or batch.running:
+            if pending and batch.free_slots:
+                i = pending.pop(0)
+                handle = batch.add(prompts[i], max_new_tokens=12)
+                names[handle], got[handle] = i, []
+            for update in batch.step():
+                got[update.handle] += update.tokens
+        assert len(replayed) == len(prompts) and all(key in keys for key in replayed)
+        assert {key[1] for key in replayed} == {0, 1, 2}  # every slot joined
+        assert len(run.join_graphs) == len(keys)  # nothing captured inside a request
+        assert all(key in d._graphs for d in models for key in keys)
+    for handle, i in names.items():
+        assert got[handle] == hf_greedy(target, prompts[i], 12), i
+
+
 def test_a_batch_replays_its_steps_as_graphs_and_equals_the_same_batch_run_eagerly():
     """A batch's steps are captured per (γ, sets of sampling parameters), whichever slots use
     them (SPEC.md §12): greedy and seeded sampled rows (two sets) joining and leaving give, from

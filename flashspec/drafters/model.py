@@ -38,6 +38,7 @@ class ModelDrafter:
         self._lm = make_lm(self.model, compile=compile)
         static_on_gpu = isinstance(self._lm, StaticLM) and self.model.device.type == "cuda"
         self._graphs = Graphs(enabled=static_on_gpu)
+        self._zero = torch.zeros(1, dtype=torch.long, device=self.model.device)  # a join's start (graphs read it)
         self._seen_through: int | None = None  # History.max_length once the last proposal's step ends
         self._graph_inputs: tuple[int, ...] = ()
 
@@ -58,15 +59,31 @@ class ModelDrafter:
             raise ValueError(f"Drafter {self.name!r} cannot join a running batch: continuous batching needs "
                              f"a drafter over FlashSpec's static cache (architectures {', '.join(StaticLM.ARCHITECTURES)}).")
         self._start(history)
-        length = history.length[row : row + 1]
-        width = max(int(length), width or 0)
-        with self._lm.only_row(row):
-            self._lm.forward(history.tokens[row : row + 1, :width], torch.zeros_like(length), None,
-                             logits_at=(length - 1)[:, None], eager=True)
+        width = max(int(history.length[row]), width or 0)
+        key = ("join", row, width)  # replayed when capture_joins captured it (SPEC.md §12, "Joins are graphs too")
+        self._graphs.run(key if key in self._graphs else None, lambda: self._feed_row(history, row, width))
         if self._seen_through is None:  # no proposal yet: every row in the batch was fed at its join
             self._seen_through = history.length_bound()
         # Otherwise leave it: the other rows' tokens gained since this drafter's last proposal
         # (steps another arm drafted) are still unseen, and the next window must re-feed them.
+
+    def capture_joins(self, history: History, widths: list[int] | tuple[int, ...]) -> None:
+        """Capture :meth:`prefill_row` of every row at each of ``widths`` as CUDA graphs, so that
+        no join runs eagerly or captures inside a request (SPEC.md §12, "Joins are graphs too").
+        Called by ``Batch.warmup`` with every slot free: it writes only their cache rows, and
+        leaves what this drafter has seen unchanged."""
+        if not self._graphs.enabled:
+            return
+        self._start(history)
+        for row in range(history.tokens.shape[0]):
+            for width in widths:
+                self._graphs.run(("join", row, width), lambda r=row, w=width: self._feed_row(history, r, w))
+
+    def _feed_row(self, history: History, row: int, width: int) -> None:
+        """Feed ``tokens[row, :width]`` from position 0 through a view of that row of the cache
+        (graph-safe: buffers only; no logits, a join only fills the cache)."""
+        with self._lm.only_row(row):
+            self._lm.forward(history.tokens[row : row + 1, :width], self._zero, None, head=False, eager=True)
 
     def _start(self, history: History) -> None:
         """A new request: size the cache (dropping graphs that captured replaced buffers)."""
