@@ -227,11 +227,12 @@ class _BatchRun(_Run):
             return self.plan.target.forward(ws.tokens[one, :fed], self._join_start, None, logits_at=self._join_last,
                                             eager=True, **features)
 
-    def capture_joins(self) -> None:
-        """Pad joins to §7's prefill widths and capture the join of every slot at each, the
-        target's and each drafter's that can (``capture_joins``), with every slot free (SPEC.md
-        §12, "Joins are graphs too"). Called by :meth:`Batch.warmup` when the steps are graphs."""
-        self.prefill_widths = tuple(window_widths(self.ws.tokens.shape[1], 16))
+    def capture_joins(self, longest: int) -> None:
+        """Pad joins to §7's prefill widths up to ``longest`` (the batch's ``max_length``: no
+        prompt is longer) and capture the join of every slot at each, the target's and each
+        drafter's that can (``capture_joins``), with every slot free (SPEC.md §12, "Joins are
+        graphs too"). Called by :meth:`Batch.warmup` when the steps are graphs."""
+        self.prefill_widths = tuple(window_widths(min(longest, self.ws.tokens.shape[1]), 16))
         self._join_last.zero_()
         for b in range(self.batch):
             for fed in self.prefill_widths:
@@ -525,7 +526,7 @@ class Batch:
             run.after_poll()
         if run.ws.tokens.is_cuda if pad is None else pad:
             if run.join_graphs.enabled:  # joins replay graphs at §7's prefill widths (SPEC.md §12)
-                run.capture_joins()
+                run.capture_joins(self.max_length)
             else:
                 run.prefill_widths = tuple(widths)
         return time.perf_counter() - started
