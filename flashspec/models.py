@@ -183,13 +183,20 @@ def _attends_causally(model: Any) -> bool:
 
 @contextmanager
 def eval_mode(*models: Any) -> Iterator[None]:
-    """Run with every model in eval mode (no dropout), then put back the mode each had: the
-    engine does not leave a caller's model switched (SPEC.md §5)."""
-    modes = [m.training for m in models]
+    """Run with every module of every model in eval mode (no dropout), then put back the mode
+    each module had: the engine does not leave a caller's model switched (SPEC.md §5). Models
+    already wholly in eval mode (the usual case) are not touched: switching one sets an attribute
+    on each of its modules, which cost milliseconds per call (BENCHMARKS.md, "Never slower …
+    (2026-12-03, session 23)")."""
+    switched: list[list[Any]] = []
     try:
         for m in models:
-            m.eval()
+            training = [module for module in m.modules() if module.training]
+            if training:
+                switched.append(training)
+                m.eval()
         yield
     finally:
-        for m, training in zip(models, modes):
-            m.train(training)
+        for training in switched:
+            for module in training:
+                module.training = True

@@ -289,6 +289,35 @@ def test_a_drafter_whose_probabilities_are_nan_has_every_draft_rejected():
 
 
 # ------------------------------------------------------------------ 4. the user's model is left as it was
+def test_a_model_in_eval_mode_is_not_switched_and_mixed_modes_come_back_module_by_module():
+    """eval_mode (SPEC.md §5): a model wholly in eval mode is left alone (no module's mode is
+    set: switching cost milliseconds per call); a model with one submodule in training mode runs
+    wholly in eval mode and gets back exactly that submodule's mode."""
+    from flashspec.models import eval_mode
+
+    still, mixed = llama(seed=7).eval(), llama(seed=8).eval()
+    mixed.model.layers[0].mlp.train()
+    before = [m.training for m in mixed.modules()]
+    sets = []
+    original = torch.nn.Module.__setattr__
+
+    def spy(module, name, value):
+        if name == "training":
+            sets.append(module)
+        original(module, name, value)
+
+    torch.nn.Module.__setattr__ = spy
+    try:
+        with eval_mode(still, mixed):
+            assert not any(m.training for m in still.modules()) and not any(m.training for m in mixed.modules())
+    finally:
+        torch.nn.Module.__setattr__ = original
+    assert not any(m is s for m in still.modules() for s in sets)
+    assert [m.training for m in mixed.modules()] == before and sum(before) == len(list(mixed.model.layers[0].mlp.modules()))
+    out = SpeculativeEngine(still, [mixed]).generate([PROMPT], max_new_tokens=4, eos_token_id=[])
+    assert len(out.sequences[0]) == 4 and mixed.model.layers[0].mlp.training and not still.training
+
+
 @pytest.mark.parametrize("drafted", [False, True])
 def test_building_and_using_an_engine_leaves_the_model_as_it_was(drafted):
     """Before: q/k/v and gate/up became new Parameters with requires_grad=False (an optimizer built
