@@ -236,7 +236,7 @@ class _BatchRun(_Run):
         self._join_last.zero_()
         for b in range(self.batch):
             for fed in self.prefill_widths:
-                self.join_graphs.run(("join", b, fed), lambda b=b, fed=fed: self._join_forward(b, fed))
+                self.join_graphs.run(("join", b, fed), lambda b=b, fed=fed: self._join_forward(b, fed), warm=True)
         history = History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden)
         for drafter in self.plan.drafters:
             capture = getattr(drafter, "capture_joins", None)

@@ -281,7 +281,7 @@ def _explain_speedup(engine: Any, stats: Any, speedup: float) -> None:
               f"{stats.steps} steps")
     if speedup < 1.0:
         print(f"drafting did not pay here: the never-slower guard keeps the speculative decode steps within "
-              f"{DEFAULT_SLACK:.0%} (plus one step) of the target-only steps it measured in the same run; it cannot "
+              f"{DEFAULT_SLACK:.1%} (plus one step) of the target-only steps it measured in the same run; it cannot "
               "see the machine's speed change between two runs (the pairs' spread above)")
 
 

@@ -50,9 +50,12 @@ class Graphs:
         """Whether a graph was captured for ``key``."""
         return key in self._graphs
 
-    def run(self, key: Hashable | None, fn: Callable[[], Any]) -> Any:
+    def run(self, key: Hashable | None, fn: Callable[[], Any], warm: bool = False) -> Any:
         """``fn()``, replayed from a CUDA graph when one was captured for ``key`` (never
-        captured when ``key`` is None)."""
+        captured when ``key`` is None). ``warm``: replay a new graph once right after capturing
+        it, so that no later call pays its first replay, which costs more than the others (on
+        the H200, 1.3–1.7 ms more for a 1.5B model's prefill: BENCHMARKS.md, "Probe
+        (2026-12-03, session 23)"); only for an ``fn`` that is harmless to repeat."""
         if not self.enabled or key is None:
             return fn()
         entry = self._graphs.get(key)
@@ -67,19 +70,24 @@ class Graphs:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = fn()  # recorded, not executed
         self._graphs[key] = (graph, outputs)
+        if warm:
+            graph.replay()
         return result
 
-    def run_widths(self, widths: Sequence[int], width: int, key: tuple, fn: Callable[[int], Any]) -> Any:
+    def run_widths(self, widths: Sequence[int], width: int, key: tuple, fn: Callable[[int], Any],
+                   repeatable: bool = False) -> Any:
         """``fn(width)``, replayed from the graph keyed ``(width, *key)``. The first time ``key``
-        meets these buffers, the graphs of every other width in ``widths`` are captured first, so
-        that no later call of another width captures one inside a request (SPEC.md §11, "Every
-        proposal is a graph"). ``fn(w)`` must be harmless to run for any ``w`` before
-        ``fn(width)`` runs (the drafters' windows re-feed committed positions)."""
+        meets these buffers, the graphs of every other width in ``widths`` are captured first
+        (and warmed: replayed once, see :meth:`run`), so that no later call of another width
+        captures one inside a request (SPEC.md §11, "Every proposal is a graph"). ``fn(w)`` must
+        be harmless to run, even twice, for any ``w`` before ``fn(width)`` runs (the drafters'
+        windows re-feed committed positions). ``repeatable``: ``fn(width)`` is harmless to
+        repeat too (a prefill), so its graph is warmed as well."""
         if self.enabled:
             for other in widths:
                 if other != width and (other, *key) not in self:
-                    self.run((other, *key), lambda w=other: fn(w))
-        return self.run((width, *key), lambda: fn(width))
+                    self.run((other, *key), lambda w=other: fn(w), warm=True)
+        return self.run((width, *key), lambda: fn(width), warm=repeatable)
 
     def clear(self) -> None:
         """Drop every captured graph (their buffers go with them). The memory pool goes too:

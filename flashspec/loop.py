@@ -248,7 +248,7 @@ class _Run:
         if graphs.enabled and self.plan.tp is None:
             widths = window_widths(capacity, 16)
             width = next(w for w in widths if w >= self.max_length)
-            logits = graphs.run_widths(widths, width, ("prefill",), forward)
+            logits = graphs.run_widths(widths, width, ("prefill",), forward, repeatable=True)  # feeds the same prompts
         else:
             logits = forward(self.max_length)
         finite = torch.isfinite(logits).flatten(1).all(dim=1)

@@ -121,6 +121,25 @@ def test_compiled_feature_proposals_in_graphs_match_hf_generate_float32(arch, dr
         assert engine.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=gamma, eos_token_id=[]).sequences == expected
 
 
+def test_warmed_graphs_replay_once_right_after_capture():
+    """Graphs.run(warm=True) replays a new graph once after capturing it (its first replay costs
+    more than later ones, SPEC.md §7), and run_widths warms every other width, the asked one
+    only when repeatable: counted on a tensor each run adds one to."""
+    from flashspec.graphs import Graphs
+
+    graphs, x = Graphs(enabled=True), torch.zeros(8, device="cuda")
+    graphs.run("cold", lambda: x[0:1].add_(1))
+    graphs.run("warm", lambda: x[1:2].add_(1), warm=True)
+    graphs.run_widths([2, 4, 8], 4, ("k",), lambda w: x[2:3].add_(w))
+    graphs.run_widths([2, 4, 8], 4, ("r",), lambda w: x[3:4].add_(w), repeatable=True)
+    torch.cuda.synchronize()
+    # eager run (+1); capture records only; warm replay (+1); other widths eager + warm replay
+    assert x[:4].tolist() == [1, 2, 2 * 2 + 8 * 2 + 4, 2 * 2 + 8 * 2 + 4 * 2]
+    graphs.run("cold", lambda: x[0:1].add_(1))
+    torch.cuda.synchronize()
+    assert x[0].item() == 2  # later calls replay once each, warmed or not
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_graph_prefills_match_hf_generate_float32(arch):
     """SPEC.md §7, "The prefill is a graph too": prompts of many lengths, alone and batched, fed at

@@ -77,7 +77,7 @@ class ModelDrafter:
         self._start(history)
         for row in range(history.tokens.shape[0]):
             for width in widths:
-                self._graphs.run(("join", row, width), lambda r=row, w=width: self._feed_row(history, r, w))
+                self._graphs.run(("join", row, width), lambda r=row, w=width: self._feed_row(history, r, w), warm=True)
 
     def _feed_row(self, history: History, row: int, width: int) -> None:
         """Feed ``tokens[row, :width]`` from position 0 through a view of that row of the cache

@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["DEFAULT_SLACK", "GRACE_STEPS", "RETRIES", "Guard", "bucket", "check_slack"]
 
-DEFAULT_SLACK = 0.02  # δ: a request may be up to 2 % slower than the target alone (plus the grace)
+DEFAULT_SLACK = 0.005  # δ: a request may be up to 0.5 % slower than the target alone (plus the grace; SPEC.md §8)
 GRACE_STEPS = 1  # g: and one target-only step more
 RETRIES = 2  # a refused choice: ask the selector this many more times before running the target alone
 
