@@ -14,12 +14,30 @@ overwritten by the next replay of the same key.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 
 __all__ = ["Graphs", "window_widths"]
+
+_collected = False  # whether a capture in this process has run torch's gc.collect + empty_cache
+
+
+@contextlib.contextmanager
+def _capture_without_collecting() -> Iterator[None]:
+    """``torch.cuda.graph`` runs ``gc.collect()`` and ``torch.cuda.empty_cache()`` before every
+    capture; in a large process (a server) that is a few hundred ms per graph, and a warm-up
+    captures a hundred or more. As vLLM does, only the first capture of the process runs them."""
+    global _collected
+    if not _collected:
+        _collected = True
+        yield
+        return
+    with mock.patch("gc.collect", lambda *args, **kwargs: 0), mock.patch("torch.cuda.empty_cache", lambda: None):
+        yield
 
 
 def window_widths(capacity: int, smallest: int = 4) -> list[int]:
@@ -67,7 +85,7 @@ class Graphs:
             self.clear()
         result = fn()  # the real work of this call, eagerly; warms up kernels and libraries
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with _capture_without_collecting(), torch.cuda.graph(graph, pool=self._pool):
             outputs = fn()  # recorded, not executed
         self._graphs[key] = (graph, outputs)
         if warm:

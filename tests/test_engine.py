@@ -245,3 +245,25 @@ def test_queueing_a_step_ahead_of_the_poll_changes_nothing_but_timing(sync_every
     assert plain.stats.decode_tokens == ahead.stats.decode_tokens == sum(len(s) for s in plain.sequences) - 3
     assert ahead.stats.steps >= plain.stats.steps  # at most one more (it commits nothing)
     assert ahead.stats.steps <= plain.stats.steps + 1
+
+
+def test_captures_after_the_first_skip_torch_s_gc_collect_and_empty_cache(monkeypatch):
+    """Graphs (SPEC.md §7): torch.cuda.graph collects garbage and empties the allocator's cache
+    before every capture; only the first capture of a process does (a warm-up captures a hundred
+    graphs), and both are restored after each capture."""
+    import gc
+
+    import flashspec.graphs as graphs
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *args, **kwargs: calls.append("gc") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(graphs, "_collected", False)
+    for _ in range(3):
+        with graphs._capture_without_collecting():
+            gc.collect()
+            torch.cuda.empty_cache()
+    assert calls == ["gc", "empty"]
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert calls == ["gc", "empty", "gc", "empty"]
