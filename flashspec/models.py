@@ -188,15 +188,21 @@ def eval_mode(*models: Any) -> Iterator[None]:
     already wholly in eval mode (the usual case) are not touched: switching one sets an attribute
     on each of its modules, which cost milliseconds per call (BENCHMARKS.md, "Never slower …
     (2026-12-03, session 23)")."""
-    switched: list[list[Any]] = []
+    switched: list[tuple[Any, list[Any]]] = []
     try:
         for m in models:
             training = [module for module in m.modules() if module.training]
             if training:
-                switched.append(training)
+                switched.append((m, training))
                 m.eval()
         yield
     finally:
-        for training in switched:
-            for module in training:
-                module.training = True
+        for m, training in switched:
+            if training[0] is m:  # through the model's own train() (transformers' hooks run there)
+                m.train(True)
+                ids = {id(module) for module in training}
+                for module in m.modules():
+                    module.training = id(module) in ids
+            else:
+                for module in training:
+                    module.training = True
