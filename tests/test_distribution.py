@@ -233,10 +233,10 @@ class _PaddedWidths(Graphs):
         super().__init__(enabled=False)
         self.enabled = True
 
-    def run(self, key, fn):
+    def run(self, key, fn, warm=False):
         return fn()
 
-    def run_widths(self, widths, width, key, fn):
+    def run_widths(self, widths, width, key, fn, repeatable=False):
         return fn(width)
 
     def clear(self) -> None:

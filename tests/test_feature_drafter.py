@@ -188,9 +188,13 @@ class _CapturingGraphs(Graphs):
     def __contains__(self, key) -> bool:
         return key in self.captured
 
-    def run(self, key, fn):
+    def run(self, key, fn, warm=False):
+        new = key not in self.captured
         self.captured.setdefault(key, self.proposal)
-        return fn()
+        result = fn()
+        if warm and new:  # the warming replay right after a capture runs it once more
+            fn()
+        return result
 
     def clear(self) -> None:
         self.captured.clear()
@@ -595,7 +599,9 @@ def test_unrolled_passes_compute_what_the_drafter_computes_at_each_draft_depth()
                     inputs.append(head.inputs(predicted, embeddings[:, position : position + 1]))
                     out = draft.model(inputs_embeds=torch.cat(inputs, 1))
                 reference = draft.lm_head(out.last_hidden_state[:, -1])
-                torch.testing.assert_close(logits[depth - 1][:, t], reference, rtol=1e-4, atol=1e-4)
+                # (1e-3: with transformers 5.25's SDPA masking the two orders of summation differ by
+                # up to 1.6e-4 on logits of magnitude 4; a wrong mask or input differs by order 1)
+                torch.testing.assert_close(logits[depth - 1][:, t], reference, rtol=1e-3, atol=1e-3)
         hook.remove()
 
 
