@@ -438,7 +438,7 @@ class Batch:
             run.poll()
             run.stats.decode_seconds += time.perf_counter() - started
             if run.plan.guard is not None:
-                run.stats.guard_refused = run.plan.guard.refused
+                run.stats.guard_refused = run.plan.guard.refused + run.plan.guard.held
         updates = self._report(failed)
         run.after_poll()
         return updates

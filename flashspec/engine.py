@@ -60,7 +60,7 @@ class SpeculativeEngine:
             Default: with ``selector="auto"`` only. Needs ``reward="throughput"``.
         slack: with a target-only arm, the guard's δ: a step may draft only while the request
             stays within this fraction (plus one target step) of the target alone's time
-            (SPEC.md §8); ``"auto"`` (default) is 0.005 with a target-only arm and no guard
+            (SPEC.md §8); ``"auto"`` (default) is 0.01 with a target-only arm and no guard
             without one; ``None`` turns the guard off.
         gammas: draft lengths to choose among; the arms are every (drafter, γ) pair, drafter
             first. ``None``: one arm per drafter, with ``generate``'s ``num_draft_tokens``.

@@ -145,31 +145,33 @@ def decode(plan: Plan, request: Request, stats: GenerationStats, progress: bool 
     with tqdm(total=run.budget, disable=not progress, desc="generating", unit="tok") as bar:
         # Every step commits at least one token per active row, so max_new_tokens - 1 steps
         # finish every row; the loop reads the device at most every sync_every steps, sooner
-        # near the budget's end (SPEC.md §7, "Polls come sooner near the budget's end").
-        next_poll, surely_running = 0, True
-        for step in range(request.max_new_tokens - 1):
-            if step == next_poll:
+        # once the steps launched since the last poll could have finished the longest-remaining
+        # row (SPEC.md §7, "Polls come sooner near the budget's end").
+        reach, since_steps, since_tokens = None, 0, 0  # as of the last poll (None: none yet)
+        for _ in range(request.max_new_tokens - 1):
+            if reach is None or since_steps >= request.sync_every or since_tokens >= reach:
                 snapshot = run.snapshot()
-                ahead = plan.queue_ahead and surely_running
+                ahead = plan.queue_ahead and (reach is None or since_tokens < reach)  # a row surely runs
                 if ahead:
                     run.step()  # harmless if every row has finished: it commits nothing
                 running = run.poll(snapshot)
                 bar.update(run.generated_total - bar.n)
                 if not running:
                     break
-                fewest = run.fewest_steps_left()
-                gap = min(request.sync_every, max(1, fewest))
-                next_poll, surely_running = step + gap, fewest > gap
+                reach, since_steps, since_tokens = run.least_left(), 0, 0
                 if ahead:
+                    since_steps, since_tokens = 1, run.most_committed()
                     continue
             run.step()
+            since_steps += 1
+            since_tokens += run.most_committed()
         run.poll()
         bar.update(run.generated_total - bar.n)
     stats.seconds = time.perf_counter() - start
     stats.decode_seconds = stats.seconds - stats.prefill_seconds
     stats.forward_seconds = run.forward_seconds() - forward_before
     if plan.guard is not None:
-        stats.guard_refused = plan.guard.refused
+        stats.guard_refused = plan.guard.refused + plan.guard.held
     return run.sequences()
 
 
@@ -420,13 +422,16 @@ class _Run:
         self.plan.commit_step(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos,
                               result.tokens, result.num_accepted, ws.log, ws.steps_taken, logits, ws.fault)
 
-    def fewest_steps_left(self) -> int:
-        """The fewest steps that can finish every row without an EOS, from the tokens generated
-        as of the last poll: the longest-remaining row has at least the mean remaining budget,
-        and a step commits at most max(γ) + 1 tokens per row (host arithmetic only)."""
-        longest = -(-(self.budget - self.generated_total) // self.batch)  # ⌈R / B⌉
-        per_step = max(self.plan.arm_gammas, default=0) + 1
-        return -(-longest // per_step)
+    def least_left(self) -> int:
+        """The fewest tokens the longest-remaining row still has to generate, from the tokens
+        generated as of the last poll: at least the mean remaining budget ⌈R / B⌉ (host
+        arithmetic only)."""
+        return -(-(self.budget - self.generated_total) // self.batch)
+
+    def most_committed(self) -> int:
+        """The most tokens per row the last launched step can commit: its draft length + 1 (a
+        target-only step exactly 1)."""
+        return self.proposed[-1] + 1
 
     def snapshot(self) -> _Snapshot:
         """Start reading the per-step log, the stop flag and the token count back to the host:

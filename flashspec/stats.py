@@ -45,7 +45,7 @@ class GenerationStats:
     per_drafter: dict[str, DrafterStats] = field(default_factory=dict)
     per_arm: dict[str, DrafterStats] = field(default_factory=dict)  # "drafter@γ"
     selector_seconds: float = 0.0  # host time in select() and update() (and the guard's admit())
-    guard_refused: int = 0  # steps the never-slower guard ran target-only instead of the chosen arm (SPEC §8)
+    guard_refused: int = 0  # steps the never-slower guard ran target-only instead of a chosen (or choosable) arm (SPEC §8)
     step_log: list[StepRecord] = field(default_factory=list)  # one per decode step, in order
 
     @property

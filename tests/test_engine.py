@@ -233,6 +233,36 @@ def test_polls_come_sooner_near_the_end_and_no_step_is_wasted(max_new, sync_ever
     assert out.stats.accepted > 0 or max_new == 2
 
 
+@settings(max_examples=15, deadline=None)
+@given(max_new=st.integers(2, 70), sync_every=st.integers(1, 9), gamma=st.integers(1, 6),
+       batch=st.integers(1, 3), ahead=st.booleans())
+def test_target_only_steps_of_an_engine_with_drafters_poll_as_a_target_only_engine(
+        max_new, sync_every, gamma, batch, ahead):
+    """SPEC.md §7: the loop counts what the launched steps can commit (a target-only step: 1
+    token per row), so an engine with drafters whose steps all run the target alone polls (and
+    queues ahead) exactly as a target-only engine does, not as often as its largest γ would need."""
+    from unittest import mock
+
+    from flashspec import loop
+
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]][:batch]
+    kwargs = dict(max_new_tokens=max_new, eos_token_id=[], sync_every=sync_every)
+    polls, steps = [], []
+    poll, step = loop._Run.poll, loop._Run.step
+    schedules = []
+    with mock.patch.object(loop._Run, "poll", lambda self, *a: polls.append(len(self.chosen)) or poll(self, *a)), \
+            mock.patch.object(loop._Run, "step", lambda self: steps.append(1) or step(self)):
+        for drafters, options in (([], {}), ([llama(seed=5)], dict(gammas=[gamma], target_only=True, slack=None,
+                                                                   selector="fixed", selector_options={"arm": 1}))):
+            engine = SpeculativeEngine(TARGET, drafters, **options)
+            engine.queue_ahead = ahead
+            polls.clear(), steps.clear()
+            out = engine.generate(prompts, **kwargs)
+            schedules.append((list(polls), len(steps), out.sequences))
+    alone, with_drafters = schedules
+    assert with_drafters == alone
+
+
 @pytest.mark.parametrize("sync_every", [1, 3])
 def test_queueing_a_step_ahead_of_the_poll_changes_nothing_but_timing(sync_every):
     """On a GPU the loop queues the next step before a poll waits (``queue_ahead``); the same

@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from flashspec import Draft, SpeculativeEngine
@@ -171,6 +171,49 @@ def test_a_refused_choice_asks_the_selector_again_before_running_the_target_alon
     asked.clear()
     assert guard.choose(lambda: select() and 0, widths.get) == (2, 0)  # always arm 0: every try refused
     assert len(asked) == RETRIES + 1 and guard.refused == 1
+
+
+def test_the_selector_is_not_asked_while_no_drafting_step_fits_the_budget():
+    """SPEC.md §8: once not even the cheapest drafting arm's steady step fits, the guard runs the
+    target alone without the selector's draws (host time on every step of a spent budget), and
+    asks it again as soon as a step could fit."""
+    guard = _measured(Guard([4, 2, 0], baseline=2, slack=0.0, grace=1, priors={0: 3.0, 1: 2.5}))
+    asked = []
+    select = lambda: asked.append(0) or 0  # noqa: E731
+    # S = 10, N = 10: the cheapest step (2.5 s) needs 10 + 2.5 <= 11 + 1 = 12: it does not fit
+    assert guard.choose(select, lambda a: 0) == (2, 0)
+    assert asked == [] and guard.held == 1 and guard.refused == 0
+    guard.observe(2, tokens=1, seconds=1.0, rows=1)
+    guard.observe(0, tokens=5, seconds=3.0, rows=1)  # a drafting step that paid: 5 tokens in 3 s
+    assert guard.choose(select, lambda a: 0) == (0, 0)  # 14 + 3 <= 17 + 1: asked, and admitted
+    assert asked == [0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    costs=st.lists(st.floats(1.0, 8.0), min_size=3, max_size=3),
+    history=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5), st.floats(0.5, 8.0)), max_size=30),
+    script=st.lists(st.integers(0, 3), min_size=RETRIES + 1, max_size=RETRIES + 1),
+    widths=st.lists(st.integers(0, 300), min_size=4, max_size=4),
+    slack=st.sampled_from([0.0, DEFAULT_SLACK, 0.05]),
+)
+def test_not_asking_the_selector_chooses_what_asking_would(costs, history, script, widths, slack):
+    """The short cut changes host time only: whatever the guard has seen and whatever the
+    selector would say, ``choose`` runs the arm that asking the selector would have run."""
+    import copy
+
+    guard = Guard([4, 2, 1, 0], baseline=3, slack=slack, priors=dict(enumerate(costs)),
+                  arm_drafters=[0, 1, 2, None], catch_up_priors={(0, 512): 2.0, (1, 512): 9.0})
+    guard.prefill(2.0, 100)
+    for arm, tokens, seconds in history:
+        guard.observe(guard.admit(arm), tokens=tokens if arm != 3 else 1, seconds=seconds, rows=1,
+                      catch_up=widths[arm] if arm in (0, 1) else 0)
+    asking = copy.deepcopy(guard)
+    answers = iter(script)
+    chosen = guard.choose(lambda: next(answers), lambda a: widths[a] if a in (0, 1) else 0)
+    event("short cut" if guard.held else "asked")
+    answers = iter(script)
+    assert chosen == asking._choose(lambda: next(answers), lambda a: widths[a] if a in (0, 1) else 0)
 
 
 @settings(max_examples=300, deadline=None)

@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["DEFAULT_SLACK", "GRACE_STEPS", "RETRIES", "Guard", "bucket", "check_slack"]
 
-DEFAULT_SLACK = 0.005  # δ: a request may be up to 0.5 % slower than the target alone (plus the grace; SPEC.md §8)
+DEFAULT_SLACK = 0.01  # δ: a request may be up to 1 % slower than the target alone (plus the grace; SPEC.md §8)
 GRACE_STEPS = 1  # g: and one target-only step more
 RETRIES = 2  # a refused choice: ask the selector this many more times before running the target alone
 
@@ -83,6 +83,7 @@ class Guard:
         self.layer_ratios = dict(layer_ratios or {})
         self.pending: deque[tuple[int, int]] = deque()  # (arm, catch-up width) admitted, not yet observed
         self.refused = 0  # steps the selector's choice was replaced by the target-only arm
+        self.held = 0  # steps run target-only without asking the selector: no drafting arm fit the budget
         # The target's last prefill (T_p seconds over L_p tokens per row): the scale of the prior
         # of a catch-up never measured. None until the engine reports one.
         self.prefill_seconds: float | None = None
@@ -154,6 +155,15 @@ class Guard:
         when its worst case keeps the budget; else the selector is asked again, up to
         :data:`RETRIES` times; else the target-only arm (always, until a target-only step has
         been observed). ``catch_up(arm)``: the width the arm's drafter must catch up on first."""
+        if self.base_steps and not self._any_affordable():
+            # Not even the cheapest drafting step fits the budget: run the target alone without
+            # asking the selector, whose draws cost host time on every step while the budget is spent.
+            self.held += 1
+            self.pending.append((self.baseline, 0))
+            return self.baseline, 0
+        return self._choose(select, catch_up)
+
+    def _choose(self, select: Callable[[], int], catch_up: Callable[[int], int]) -> tuple[int, int]:
         first = arm = select()
         width = 0
         if arm != self.baseline:
@@ -178,19 +188,32 @@ class Guard:
         return arm, width
 
     def admit(self, arm: int, width: int = 0) -> int:
-        """:meth:`choose` for one given choice (no asking again): ``arm`` or the target-only arm."""
-        return self.choose(lambda: arm, lambda a: width)[0]
+        """One given choice (no asking again): ``arm`` if its worst case keeps the budget, else
+        the target-only arm."""
+        return self._choose(lambda: arm, lambda a: width)[0]
+
+    def _committed(self) -> float:
+        """S plus the estimated seconds of every pending step (their catch-ups included)."""
+        return self.seconds + sum(self.cost(p) + self.catch_up_cost(p, w) for p, w in self.pending)
+
+    def _budget(self) -> float:
+        """What one more step may bring the committed seconds up to: (1 + δ)(N + (|P| + 1) n̂) / r₀ + g s₀."""
+        fewest = self.tokens + (len(self.pending) + 1) * self.rows
+        rate = self.base_tokens / self.base_seconds  # r₀
+        return (1 + self.slack) * fewest / rate + self.grace * self._step()
+
+    def _any_affordable(self) -> bool:
+        """Whether the cheapest drafting arm's steady step (no catch-up) would keep the budget: a
+        bound every choice must meet, checked before the selector is asked."""
+        cheapest = min((self.cost(a) for a in range(len(self.gammas)) if a != self.baseline), default=math.inf)
+        return self._committed() + cheapest <= self._budget()
 
     def _affordable(self, arm: int, width: int) -> bool:
         if not self.arm_steps[arm] and any(p == arm for p, _ in self.pending):
             return False  # an arm never measured runs one step at a time until it is
         if width and any(w and self.arm_drafters[p] == self.arm_drafters[arm] for p, w in self.pending):
             return False  # likewise a catch-up: one at a time per drafter
-        spent = (self.seconds + sum(self.cost(p) + self.catch_up_cost(p, w) for p, w in self.pending)
-                 + self.cost(arm) + self.catch_up_cost(arm, width))
-        fewest = self.tokens + (len(self.pending) + 1) * self.rows
-        rate = self.base_tokens / self.base_seconds  # r₀
-        return spent <= (1 + self.slack) * fewest / rate + self.grace * self._step()
+        return self._committed() + self.cost(arm) + self.catch_up_cost(arm, width) <= self._budget()
 
     # ------------------------------------------------------------------ learning
     def observe(self, arm: int, tokens: int, seconds: float, rows: int, catch_up: int = 0) -> None:
