@@ -271,3 +271,66 @@ def test_sampled_rows_beside_greedy_rows_have_the_targets_law(gamma):
     assert 0.0 < batch.stats.acceptance_rate < 1.0
     pvalue = chi_square_pvalue(samples, exact_law(0.8, 5, 0.9))
     assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: a sampled row beside greedy rows lost the target's law"
+
+
+# ----------------------------------------------------------------------------- join widths
+class _Keys:
+    """CUDA graphs on the CPU, for the joins: every key a capture; every run runs the function."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.keys: set = set()
+
+    def __contains__(self, key) -> bool:
+        return key in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def run(self, key, fn, warm=False):
+        if key is not None:
+            self.keys.add(key)
+        result = fn()
+        if warm:
+            fn()
+        return result
+
+    def run_widths(self, widths, width, key, fn, repeatable=False):
+        return fn(width)
+
+    def clear(self) -> None:
+        self.keys.clear()
+
+
+def test_a_model_drafters_join_is_fed_at_a_captured_width_when_the_prompt_fills_one():
+    """SPEC.md §12, "Joins are graphs too": a model drafter's join feeds the prompt and its first
+    token — one position more than the target's join — padded to the narrowest width it captured
+    a join at, so that a prompt exactly as long as a captured width (16, 32) replays a graph
+    rather than running eagerly (on the H200: 16- and 64-token prompts reached their first token
+    later than 200-token ones); every row still equals ``generate``."""
+    target = tiny_model("llama", seed=5)
+    engine = SpeculativeEngine(target, [noisy_copy(target, 0.0, seed=1)], device="cpu")
+    drafter = engine.drafters[0]
+    prompts = [[(5 * i + j) % 100 + 1 for j in range(n)] for i, n in enumerate((16, 32, 5, 17, 15, 31))]
+    alone = [engine.generate([p], max_new_tokens=6, num_draft_tokens=3, eos_token_id=[]).sequences[0] for p in prompts]
+    fed, feed = [], drafter._feed_row
+    drafter._feed_row = lambda history, row, width: fed.append(width) or feed(history, row, width)
+    got, names = {}, {}
+    with engine.batch(slots=2, max_length=64, num_draft_tokens=3, eos_token_id=[]) as batch:
+        batch._run.join_graphs, drafter._graphs = _Keys(), _Keys()
+        batch.warmup([1], pad=True)
+        assert drafter._join_widths == batch._run.prefill_widths == (16, 32, 64)
+        assert {("join", b, w) for b in range(2) for w in (16, 32, 64)} <= drafter._graphs.keys
+        fed.clear()
+        pending = list(range(len(prompts)))
+        while pending or batch.running:
+            if pending and batch.free_slots:
+                i = pending.pop(0)
+                handle = batch.add(prompts[i], max_new_tokens=6)
+                names[handle], got[i] = i, []
+            for update in batch.step():
+                got[names[update.handle]] += update.tokens
+    # prompt + first token: 17 → 32 and 33 → 64 (fed eagerly at 17 and 33 before); 6 → 16, 18 → 32, ...
+    assert fed == [32, 64, 16, 32, 16, 32]
+    assert [got[i] for i in range(len(prompts))] == alone

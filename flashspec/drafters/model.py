@@ -23,6 +23,8 @@ class ModelDrafter:
     """
 
     SWITCH_WINDOW = 16  # the re-fed width after another drafter's steps (a compiled width of StaticLM)
+    # The widths capture_joins captured a row's join at (none until it has): prefill_row pads to them.
+    _join_widths: tuple[int, ...] = ()
 
     def __init__(
         self, model: PreTrainedModel, target_vocab_size: int, name: str | None = None, compile: bool = False
@@ -59,7 +61,11 @@ class ModelDrafter:
             raise ValueError(f"Drafter {self.name!r} cannot join a running batch: continuous batching needs "
                              f"a drafter over FlashSpec's static cache (architectures {', '.join(StaticLM.ARCHITECTURES)}).")
         self._start(history)
-        width = max(int(history.length[row]), width or 0)
+        # The row's committed tokens are its prompt and first token, one position more than the
+        # target's join fed: padded to the narrowest width capture_joins captured that holds them,
+        # so that a prompt exactly as long as a captured width replays a graph too (SPEC.md §12).
+        need = max(int(history.length[row]), width or 0)
+        width = next((w for w in self._join_widths if w >= need), need)
         key = ("join", row, width)  # replayed when capture_joins captured it (SPEC.md §12, "Joins are graphs too")
         self._graphs.run(key if key in self._graphs else None, lambda: self._feed_row(history, row, width))
         if self._seen_through is None:  # no proposal yet: every row in the batch was fed at its join
@@ -78,6 +84,7 @@ class ModelDrafter:
         for row in range(history.tokens.shape[0]):
             for width in widths:
                 self._graphs.run(("join", row, width), lambda r=row, w=width: self._feed_row(history, r, w), warm=True)
+        self._join_widths = tuple(sorted(widths))
 
     def _feed_row(self, history: History, row: int, width: int) -> None:
         """Feed ``tokens[row, :width]`` from position 0 through a view of that row of the cache
@@ -89,6 +96,7 @@ class ModelDrafter:
         """A new request: size the cache (dropping graphs that captured replaced buffers)."""
         if self._lm.reset(history.tokens.shape[0], history.tokens.shape[1]):
             self._graphs.clear()
+            self._join_widths = ()
 
     def catch_up(self, history: History) -> int:
         """The positions the next proposal feeds beyond a steady step's (SPEC.md §4): the whole
