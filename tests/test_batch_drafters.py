@@ -77,13 +77,17 @@ def _engine(kind: str, arch: str, folder, noise: float | None, **options):
     return SpeculativeEngine(model, [f"{kind}:{folder}"], device="cpu", **options)
 
 
-def _run_batch(engine, prompts, budgets, *, slots=3, gamma=4, cancel=(), warm=(1, 5), pad=None, **sampling):
+def _run_batch(engine, prompts, budgets, *, slots=3, gamma=4, cancel=(), warm=(1, 5), pad=None, setup=None,
+               **sampling):
     """Rows join every other step (into slots others left), some are cancelled early; returns
     each prompt's tokens and its per-step token counts (the first count without the prefill's).
-    ``warm``, ``pad``: the batch's warm-up lengths and whether joins are padded to them."""
+    ``warm``, ``pad``: the batch's warm-up lengths and whether joins are padded to them;
+    ``setup(batch)``: called before the warm-up."""
     got, counts, names = {}, {}, {}
     pending, step = list(range(len(prompts))), 0
     with engine.batch(slots=slots, max_length=64, num_draft_tokens=gamma, eos_token_id=[]) as batch:
+        if setup is not None:
+            setup(batch)
         batch.warmup(list(warm), pad=pad)
         if pad:
             assert batch._run.prefill_width(5) == min(w for w in warm if w >= 5)
@@ -303,34 +307,43 @@ class _Keys:
         self.keys.clear()
 
 
-def test_a_model_drafters_join_is_fed_at_a_captured_width_when_the_prompt_fills_one():
+SAMPLED = dict(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=3)
+
+
+@pytest.mark.parametrize("slots, gamma, sampling", [(2, 3, {}), (1, 1, {}), (2, 3, SAMPLED), (1, 1, SAMPLED)])
+def test_a_model_drafters_join_is_fed_at_a_captured_width_when_the_prompt_fills_one(slots, gamma, sampling):
     """SPEC.md §12, "Joins are graphs too": a model drafter's join feeds the prompt and its first
     token — one position more than the target's join — padded to the narrowest width it captured
     a join at, so that a prompt exactly as long as a captured width (16, 32) replays a graph
-    rather than running eagerly (on the H200: 16- and 64-token prompts reached their first token
-    later than 200-token ones); every row still equals ``generate``."""
+    rather than running eagerly (on the H200 a 16-token join took 19.9 ms instead of 8.0). The
+    padding changes no token: greedy rows equal ``generate`` (drafter == target), and seeded
+    sampled rows (T = 0.7, top-k and top-p on, a drafter ≠ the target) equal those of the same
+    batch whose drafter joins unpadded."""
     target = tiny_model("llama", seed=5)
-    engine = SpeculativeEngine(target, [noisy_copy(target, 0.0, seed=1)], device="cpu")
-    drafter = engine.drafters[0]
     prompts = [[(5 * i + j) % 100 + 1 for j in range(n)] for i, n in enumerate((16, 32, 5, 17, 15, 31))]
-    alone = [engine.generate([p], max_new_tokens=6, num_draft_tokens=3, eos_token_id=[]).sequences[0] for p in prompts]
-    fed, feed = [], drafter._feed_row
-    drafter._feed_row = lambda history, row, width: fed.append(width) or feed(history, row, width)
-    got, names = {}, {}
-    with engine.batch(slots=2, max_length=64, num_draft_tokens=3, eos_token_id=[]) as batch:
-        batch._run.join_graphs, drafter._graphs = _Keys(), _Keys()
-        batch.warmup([1], pad=True)
-        assert drafter._join_widths == batch._run.prefill_widths == (16, 32, 64)
-        assert {("join", b, w) for b in range(2) for w in (16, 32, 64)} <= drafter._graphs.keys
-        fed.clear()
-        pending = list(range(len(prompts)))
-        while pending or batch.running:
-            if pending and batch.free_slots:
-                i = pending.pop(0)
-                handle = batch.add(prompts[i], max_new_tokens=6)
-                names[handle], got[i] = i, []
-            for update in batch.step():
-                got[names[update.handle]] += update.tokens
-    # prompt + first token: 17 → 32 and 33 → 64 (fed eagerly at 17 and 33 before); 6 → 16, 18 → 32, ...
-    assert fed == [32, 64, 16, 32, 16, 32]
-    assert [got[i] for i in range(len(prompts))] == alone
+    budgets = [6, 5, 7, 6, 4, 6]
+    runs = []
+    for padded in (True, False):
+        engine = SpeculativeEngine(target, [noisy_copy(target, 0.1 if sampling else 0.0, seed=1)], device="cpu",
+                                   selector="fixed")
+        drafter = engine.drafters[0]
+        fed, feed = [], drafter._feed_row
+        drafter._feed_row = lambda history, row, width, fed=fed, feed=feed: fed.append(width) or feed(history, row, width)
+
+        def setup(batch, drafter=drafter, padded=padded, fed=fed):
+            batch._run.join_graphs = _Keys()  # the target's joins padded alike in both runs
+            if padded:  # the drafter's joins captured (on the CPU: stand-ins), so padded to their widths
+                drafter._graphs = _Keys()
+            batch.warmup = lambda lengths, pad, warmup=batch.warmup: (warmup(lengths, pad=pad), fed.clear())[0]
+
+        got, _ = _run_batch(engine, prompts, budgets, slots=slots, gamma=gamma, warm=(16, 32, 64), pad=True,
+                            setup=setup, **sampling)
+        runs.append(([got[i] for i in range(len(prompts))], fed, drafter._join_widths))
+    (padded, fed_padded, widths), (plain, fed_plain, no_widths) = runs
+    assert widths == (16, 32, 64) and no_widths == ()
+    # prompt + first token: 17 → 32 and 33 → 64, fed eagerly at 17 and 33 unpadded; 6 → 16, 18 → 32, ...
+    assert fed_padded == [32, 64, 16, 32, 16, 32] and fed_plain == [17, 33, 16, 32, 16, 32]
+    assert padded == plain
+    if not sampling:
+        assert padded == [_generate(SpeculativeEngine(target, [], device="cpu"), p, n, gamma)[0]
+                          for p, n in zip(prompts, budgets)]

@@ -155,19 +155,22 @@ class Guard:
         when its worst case keeps the budget; else the selector is asked again, up to
         :data:`RETRIES` times; else the target-only arm (always, until a target-only step has
         been observed). ``catch_up(arm)``: the width the arm's drafter must catch up on first."""
-        if self.base_steps and not self._any_affordable():
+        room = self._room() if self.base_steps else None
+        if room is not None and room < self._cheapest():
             # Not even the cheapest drafting step fits the budget: run the target alone without
             # asking the selector, whose draws cost host time on every step while the budget is spent.
             self.held += 1
             self.pending.append((self.baseline, 0))
             return self.baseline, 0
-        return self._choose(select, catch_up)
+        return self._choose(select, catch_up, room)
 
-    def _choose(self, select: Callable[[], int], catch_up: Callable[[int], int]) -> tuple[int, int]:
+    def _choose(self, select: Callable[[], int], catch_up: Callable[[int], int],
+                room: float | None) -> tuple[int, int]:
+        """:meth:`choose` after its short cut; ``room``: :meth:`_room` (None: no target-only step yet)."""
         first = arm = select()
         width = 0
         if arm != self.baseline:
-            if not self.base_steps:
+            if room is None:
                 arm = self.baseline
             else:
                 for attempt in range(RETRIES + 1):
@@ -176,7 +179,7 @@ class Guard:
                     if arm == self.baseline:
                         break
                     width = catch_up(arm)
-                    if self._affordable(arm, width):
+                    if self._affordable(arm, width, room):
                         break
                 else:
                     arm = self.baseline
@@ -190,30 +193,27 @@ class Guard:
     def admit(self, arm: int, width: int = 0) -> int:
         """One given choice (no asking again): ``arm`` if its worst case keeps the budget, else
         the target-only arm."""
-        return self._choose(lambda: arm, lambda a: width)[0]
+        return self._choose(lambda: arm, lambda a: width, self._room() if self.base_steps else None)[0]
 
-    def _committed(self) -> float:
-        """S plus the estimated seconds of every pending step (their catch-ups included)."""
-        return self.seconds + sum(self.cost(p) + self.catch_up_cost(p, w) for p, w in self.pending)
-
-    def _budget(self) -> float:
-        """What one more step may bring the committed seconds up to: (1 + δ)(N + (|P| + 1) n̂) / r₀ + g s₀."""
+    def _room(self) -> float:
+        """What one more step may cost within the budget (needs a target-only observation):
+        (1 + δ)(N + (|P| + 1) n̂) / r₀ + g s₀ − S − Σ_{p ∈ P} (ĉ_p + x̂_p)."""
         fewest = self.tokens + (len(self.pending) + 1) * self.rows
         rate = self.base_tokens / self.base_seconds  # r₀
-        return (1 + self.slack) * fewest / rate + self.grace * self._step()
+        committed = self.seconds + sum(self.cost(p) + self.catch_up_cost(p, w) for p, w in self.pending)
+        return (1 + self.slack) * fewest / rate + self.grace * self._step() - committed
 
-    def _any_affordable(self) -> bool:
-        """Whether the cheapest drafting arm's steady step (no catch-up) would keep the budget: a
-        bound every choice must meet, checked before the selector is asked."""
-        cheapest = min((self.cost(a) for a in range(len(self.gammas)) if a != self.baseline), default=math.inf)
-        return self._committed() + cheapest <= self._budget()
+    def _cheapest(self) -> float:
+        """The cheapest drafting arm's steady step (no catch-up): what every admitted choice costs
+        at least, compared with :meth:`_room` before the selector is asked."""
+        return min((self.cost(a) for a in range(len(self.gammas)) if a != self.baseline), default=math.inf)
 
-    def _affordable(self, arm: int, width: int) -> bool:
+    def _affordable(self, arm: int, width: int, room: float) -> bool:
         if not self.arm_steps[arm] and any(p == arm for p, _ in self.pending):
             return False  # an arm never measured runs one step at a time until it is
         if width and any(w and self.arm_drafters[p] == self.arm_drafters[arm] for p, w in self.pending):
             return False  # likewise a catch-up: one at a time per drafter
-        return self._committed() + self.cost(arm) + self.catch_up_cost(arm, width) <= self._budget()
+        return self.cost(arm) + self.catch_up_cost(arm, width) <= room
 
     # ------------------------------------------------------------------ learning
     def observe(self, arm: int, tokens: int, seconds: float, rows: int, catch_up: int = 0) -> None:
