@@ -291,6 +291,30 @@ def test_graph_replays_equal_eager_steps(do_sample):
     assert a == b == c
 
 
+@pytest.mark.parametrize("batch,gamma", [(1, 1), (1, 4), (3, 2), (3, 5)])
+def test_ngram_proposals_replayed_from_a_graph_equal_the_eager_search(batch, gamma):
+    """SPEC.md §4: the n-gram drafter's proposal on CUDA replays one graph per k, reading the
+    history's buffers in place: after every change of the committed tokens and lengths (rows of
+    other lengths, repeats and no match included) it proposes what the eager search proposes; a
+    new buffer is searched, not a freed one."""
+    from flashspec.drafters import History, NgramDrafter
+
+    gen = torch.Generator().manual_seed(batch * 10 + gamma)
+    drafter, eager = NgramDrafter(), NgramDrafter()
+    params, uniforms = SamplingParams(), torch.zeros(batch, gamma, device="cuda")
+    for capacity in (64, 128):
+        tokens = torch.zeros(batch, capacity, dtype=torch.long, device="cuda")
+        length = torch.zeros(batch, dtype=torch.long, device="cuda")
+        for trial in range(6):
+            tokens.copy_(torch.randint(0, 5 if trial % 2 else 50, (batch, capacity), generator=gen))
+            length.copy_(torch.randint(2, capacity - gamma, (batch,), generator=gen))
+            history = History(tokens, length)
+            got = drafter.propose(history, gamma, params, uniforms).tokens.clone()
+            expected = eager._draft(tokens.clone(), length.clone(), gamma)
+            assert torch.equal(got, expected), (capacity, trial)
+        assert gamma in drafter._graphs  # the later trials replayed the graph captured at the first
+
+
 @pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit", "feature", "shallow", "compact", "none"])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(do_sample=True, temperature=0.7),
                                     SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, top_k=20)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..graphs import Graphs
 from ..sampling import SamplingParams
 from .base import Draft, History, continuation
 
@@ -14,7 +15,8 @@ class NgramDrafter:
 
     The proposal is a deterministic function of the context, so it carries no ``q`` and is
     verified with one-hot ``q`` (SPEC.md §2). All rows are searched at once with tensor ops, and
-    nothing is read back to the host.
+    nothing is read back to the host; on CUDA the search is replayed from one graph per draft
+    length (SPEC.md §4).
     """
 
     name = "ngram"
@@ -26,16 +28,31 @@ class NgramDrafter:
                 f"max_ngram={max_ngram!r}."
             )
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._graphs: Graphs | None = None  # made at the first proposal on a GPU
+        self._graph_inputs: tuple = ()  # the history buffers the captured graphs read
 
     def begin(self, batch_size: int) -> None:
-        pass  # stateless
+        pass  # no state of its own: the graphs depend on the history's buffers only
 
     def propose(
         self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor
     ) -> Draft:
         tokens, length = history.tokens, history.length
+        if not tokens.is_cuda:
+            return Draft(self._draft(tokens, length, num_tokens), None)
+        if self._graphs is None:
+            self._graphs = Graphs(enabled=True)
+        inputs = (tokens.data_ptr(), length.data_ptr(), tuple(tokens.shape), tokens.device)
+        if inputs != self._graph_inputs:  # other buffers: graphs of the old ones would read freed memory
+            self._graphs.clear()
+            self._graph_inputs = inputs
+        return Draft(self._graphs.run(num_tokens, lambda: self._draft(tokens, length, num_tokens)), None)
+
+    def _draft(self, tokens: torch.Tensor, length: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``[B, num_tokens]`` drafts from ``tokens [B, capacity]`` and ``length [B]`` (tensor code
+        only, so it can be captured as a graph)."""
         pending = tokens.gather(1, (length - 1)[:, None])
-        return Draft(continuation(tokens, self.find(history), length, num_tokens, pending), None)
+        return continuation(tokens, self.find(History(tokens, length)), length, num_tokens, pending)
 
     def find(self, history: History) -> torch.Tensor:
         """Per row, where the continuation of the most recent earlier occurrence of the
