@@ -4,7 +4,9 @@ The server runs in this process (:func:`flashspec.serve.start_server`, a free po
 official ``openai`` client (``AsyncOpenAI``) talks to it over HTTP. Phases, in this order:
 
 1. **TTFT** on the fresh server: for each of a few prompt lengths, the first request of that
-   length after start-up against warm repeats of the same request (goal: within 10 %).
+   length after start-up against warm repeats of the same request (goal: within 10 %), timed by
+   the client and by the server's own metrics; the client's streaming path is run once first
+   against an in-memory transport, so that its one-time costs are not counted as the server's.
 2. **Load**: ``clients`` concurrent streaming clients send ``requests`` requests of mixed prompt
    lengths, ``max_tokens`` and sampling (half greedy, half ``temperature=0.7, top_p=0.9`` with
    a seed), completions and chat; client-side TTFT / inter-token latency, throughput.
@@ -234,16 +236,64 @@ async def _sequential(url: str, specs: list[dict[str, Any]], timeout_s: float,
     return records, wall
 
 
+async def _warm_client_offline() -> None:
+    """Run the ``openai`` client's streaming path once in this process against an in-memory
+    transport (``httpx.MockTransport``), never the server: the first stream a process parses pays
+    the client library's own one-time costs (lazy imports, response models), which on this
+    machine's CPU put about 10 ms on the first request's measured time to first token
+    (BENCHMARKS.md, session 25) — a cost of the client, not of the server's first request."""
+    import json
+
+    import httpx
+    import openai
+
+    chunks = {"/v1/completions": {"id": "w", "object": "text_completion", "created": 0, "model": "w",
+                                  "choices": [{"index": 0, "text": "a", "finish_reason": "length", "logprobs": None}]},
+              "/v1/chat/completions": {"id": "w", "object": "chat.completion.chunk", "created": 0, "model": "w",
+                                       "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": "length"}]}}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = f"data: {json.dumps(chunks[request.url.path])}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode())
+
+    client = openai.AsyncOpenAI(base_url="http://warm-up.invalid/v1", api_key="none", max_retries=0,
+                                http_client=httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+    async for _ in await client.completions.create(model="w", prompt=[1], max_tokens=1, stream=True):
+        pass
+    async for _ in await client.chat.completions.create(model="w", messages=[{"role": "user", "content": "a"}],
+                                                        max_tokens=1, stream=True):
+        pass
+    await client.close()
+
+
+def _server_ttft_sum(url: str) -> float:
+    """The server's own time-to-first-token total so far (``/metrics``: arrival at the handler to
+    the first token handed out), for one request's server-side share of its measured TTFT."""
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("flashspec_time_to_first_token_seconds_sum"):
+            return float(line.split()[-1])
+    raise RuntimeError("The server's /metrics has no flashspec_time_to_first_token_seconds_sum.")
+
+
 async def _ttft(url: str, prompts: dict[int, list[int]], tokens: int, repeats: int,
                 timeout_s: float) -> list[dict[str, Any]]:
-    """Per length: the first request of that length, then ``repeats`` identical ones."""
+    """Per length: the first request of that length, then ``repeats`` identical ones; each timed by
+    the client (to its first streamed token) and by the server (``/metrics``, read between requests)."""
+    await _warm_client_offline()
     client = _client(url, timeout_s)
-    await client.models.list()  # the client's own first-use costs (connection, lazy imports) are not the server's
-    client.completions, client.chat.completions  # noqa: B018
+    await client.models.list()  # the client's connection, opened before the first timed request
+    await asyncio.to_thread(_server_ttft_sum, url)  # /metrics' own first use, before any timed request
     rows = []
     for length, ids in prompts.items():
         spec = {"kind": "completions", "prompt": ids, "max_tokens": tokens, "sampling": {"temperature": 0.0}}
-        runs = [await _one(client, spec) for _ in range(1 + repeats)]
+        runs = []
+        for _ in range(1 + repeats):
+            before = await asyncio.to_thread(_server_ttft_sum, url)
+            r = await _one(client, spec)
+            r["server_ttft_s"] = await asyncio.to_thread(_server_ttft_sum, url) - before
+            runs.append(r)
         for r in runs:
             if not r["ok"]:
                 raise RuntimeError(f"A TTFT request of {length} tokens failed: {r['error']}")
@@ -257,6 +307,8 @@ async def _ttft(url: str, prompts: dict[int, list[int]], tokens: int, repeats: i
         rates = [x for x in (decode_rate(r) for r in warm) if x is not None]
         rows.append({"prompt_tokens": length, "first_ttft_s": first["ttft_s"], "warm_ttft_s": warm_ttft,
                      "warm_ttft_all_s": [r["ttft_s"] for r in warm], "ratio": first["ttft_s"] / warm_ttft,
+                     "server_first_ttft_s": first["server_ttft_s"],
+                     "server_warm_ttft_s": statistics.median(r["server_ttft_s"] for r in warm),
                      "within_10pct": first["ttft_s"] <= 1.10 * warm_ttft,
                      "first_decode_tok_s": decode_rate(first),
                      "warm_decode_tok_s": statistics.median(rates) if rates else None})
@@ -501,11 +553,14 @@ def summarize(results: dict[str, Any]) -> str:
                      f"{_f(r['itl_p50_s'] and r['itl_p50_s'] * 1e3, 1)} / {_f(r['itl_p99_s'] and r['itl_p99_s'] * 1e3, 1)} |")
     lines += ["", (f"Concurrent / one-at-a-time throughput: **{_f(results['concurrent_over_sequential_throughput'], 2)}×**. "
                    f"Greedy streams equal to offline `generate`: {g['equal']} / {g['checked']}."), "",
-              "| prompt tokens | first TTFT ms | warm TTFT ms | ratio | within 10 % | first decode tok/s | warm decode tok/s |",
-              "|---|---|---|---|---|---|---|"]
+              "| prompt tokens | first TTFT ms | warm TTFT ms | ratio | within 10 % | server: first / warm ms | "
+              "first decode tok/s | warm decode tok/s |",
+              "|---|---|---|---|---|---|---|---|"]
     for row in results["ttft"]:
+        server = row.get("server_first_ttft_s"), row.get("server_warm_ttft_s")
+        server_ms = " / ".join(_f(v and v * 1e3, 1) for v in server)
         lines.append(f"| {row['prompt_tokens']} | {_f(row['first_ttft_s'] * 1e3, 1)} | {_f(row['warm_ttft_s'] * 1e3, 1)} | "
-                     f"{_f(row['ratio'], 3)} | {'yes' if row['within_10pct'] else '**no**'} | "
+                     f"{_f(row['ratio'], 3)} | {'yes' if row['within_10pct'] else '**no**'} | {server_ms} | "
                      f"{_f(row['first_decode_tok_s'], 1)} | {_f(row['warm_decode_tok_s'], 1)} |")
     lines += ["", (f"Burst: {b['sent']} requests at once against max_queue {b['max_queue']} + {b['slots']} slots: "
               f"{b['ok']} ok, {b['rejected_429_503']} got 429/503, {b['other_errors']} other errors; /health after: "

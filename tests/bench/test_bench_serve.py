@@ -30,7 +30,24 @@ def test_bench_serve_runs_and_checks_everything(tmp_path):
     assert burst["peak_rss_mb"] > 0
     assert [row["prompt_tokens"] for row in saved["ttft"]] == [8, 24]
     assert all(row["first_ttft_s"] > 0 and row["warm_ttft_s"] > 0 for row in saved["ttft"])
+    # the server's share of each TTFT, from its /metrics: positive and never above the client's
+    assert all(0 < row["server_first_ttft_s"] <= row["first_ttft_s"] for row in saved["ttft"])
+    assert all(0 < row["server_warm_ttft_s"] <= max(row["warm_ttft_all_s"]) for row in saved["ttft"])
     assert saved["load"]["ttft_p50_s"] > 0 and saved["load"]["throughput_tok_s"] > 0
+
+
+def test_the_clients_streaming_path_is_warmed_without_any_server(monkeypatch):
+    """The TTFT phase's client warm-up parses a completion and a chat stream from an in-memory
+    transport: it sends nothing over the network (a socket connect would fail the test)."""
+    import asyncio
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the client warm-up opened a connection")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    asyncio.run(serve._warm_client_offline())
 
 
 def test_bench_serve_is_a_command_and_checks_options():
