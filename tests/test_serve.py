@@ -357,6 +357,24 @@ def test_start_up_warms_the_http_path_and_the_metrics_count_no_request_of_it():
         server.stop()
 
 
+def test_start_up_freezes_the_heap_and_stop_unfreezes_it():
+    """SPEC.md §12: once warm, the server moves what start-up left alive out of the collector's
+    sight (no oldest-generation pass walks it inside a request); stopping gives it back."""
+    import gc
+
+    engine = SpeculativeEngine(tiny_model("llama", seed=0), [])
+    engine.tokenizer = __import__("tiny_models").CharTokenizer()
+    gc.unfreeze()
+    server = start_server(engine, slots=1, max_length=64)
+    try:
+        assert gc.get_freeze_count() > 10_000  # the models, the engine, the server: all frozen
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0})
+        assert r.json()["usage"]["completion_tokens"] == 3  # and it serves
+    finally:
+        server.stop()
+    assert gc.get_freeze_count() == 0
+
+
 SHORT = tuple(range(1, 17))  # the compiled widths (StaticLM.COMPILED_WIDTHS = 16)
 HALVES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import functools
+import gc
 import socket
 import threading
 import time
@@ -19,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Server", "add_parser", "default_warmup_lengths", "start_server"]
+__all__ = ["Server", "add_parser", "default_warmup_lengths", "freeze_heap", "start_server"]
 
 _MISSING = "flashspec serve needs the server extra: pip install 'flashspec[server]' ({error})."
 
@@ -38,6 +39,16 @@ class Server:
         self._uvicorn.should_exit = True
         self._thread.join(timeout=30)
         self.scheduler.stop()
+        gc.unfreeze()  # what start-up froze may be collected again (freeze_heap)
+
+
+def freeze_heap() -> None:
+    """Collect once, then move every object alive now — models, compiled code, captured graphs,
+    the server — out of the garbage collector's sight (``gc.freeze``), so that no later
+    collection walks them all inside a request (SPEC.md §12: on this machine's CPU such a pass
+    took 240–250 ms during the first requests after start-up). Called once the server is warm."""
+    gc.collect()
+    gc.freeze()
 
 
 def _admissible_warmup_lengths(lengths: Iterable[int], max_length: int) -> tuple[int, ...]:
@@ -185,6 +196,7 @@ def start_server(engine: Any, *, host: str = "127.0.0.1", port: int = 0, log_lev
         time.sleep(0.02)
     url = f"http://{host}:{port}"
     warm_http(url, scheduler, engine.tokenizer)
+    freeze_heap()
     seconds = time.perf_counter() - started
     scheduler.metrics.startup.set(seconds)
     return Server(url, scheduler, seconds, server, thread)
@@ -251,6 +263,7 @@ def _run(args: argparse.Namespace) -> None:
             time.sleep(0.02)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         http = warm_http(f"http://{host}:{args.port}", scheduler, engine.tokenizer)
+        freeze_heap()
         seconds = time.perf_counter() - started
         scheduler.metrics.startup.set(seconds)
         print(f"flashspec serve: ready in {seconds:.1f} s (warm-up {scheduler.warmup_seconds:.2f} s, "
@@ -261,3 +274,4 @@ def _run(args: argparse.Namespace) -> None:
         server.run()
     finally:
         scheduler.stop()
+        gc.unfreeze()
