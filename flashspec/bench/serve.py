@@ -240,8 +240,9 @@ async def _warm_client_offline() -> None:
     """Run the ``openai`` client's streaming path once in this process against an in-memory
     transport (``httpx.MockTransport``), never the server: the first stream a process parses pays
     the client library's own one-time costs (lazy imports, response models), which on this
-    machine's CPU put about 10 ms on the first request's measured time to first token
-    (BENCHMARKS.md, session 25) — a cost of the client, not of the server's first request."""
+    machine's CPU put about 10 ms on the first request's measured time to first token (median
+    of 8 trials, BENCHMARKS.md, session 25) — a cost of the client, not of the server's first
+    request."""
     import json
 
     import httpx

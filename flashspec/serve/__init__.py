@@ -46,7 +46,7 @@ def freeze_heap() -> None:
     """Collect once, then move every object alive now — models, compiled code, captured graphs,
     the server — out of the garbage collector's sight (``gc.freeze``), so that no later
     collection walks them all inside a request (SPEC.md §12: on this machine's CPU such a pass
-    took 240–250 ms during the first requests after start-up). Called once the server is warm."""
+    took about 200 ms during the first requests after start-up). Called once the server is warm."""
     gc.collect()
     gc.freeze()
 
