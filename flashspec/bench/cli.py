@@ -134,6 +134,9 @@ def _e2e_parser(sub: Any) -> None:
                         "10-40x slower on a GPU); paired ratios use the batches both ran. Default: all")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
     p.add_argument("--gammas", default="2,4", help="comma-separated draft lengths of the FlashSpec arms")
+    p.add_argument("--auto-slacks", default=None,
+                   help="comma-separated δ values of the never-slower guard, one flashspec-auto system each, side "
+                        "by side ('default' for the engine's default, 0.01); default: that one system")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
@@ -389,7 +392,8 @@ def bench_e2e(args: argparse.Namespace) -> None:
     options = dict(systems=_names(args.systems) if args.systems else e2e.FAMILY_NAMES,
                    batch_sizes=e2e.parse_ints(args.batch_sizes, "--batch-sizes"),
                    gammas=e2e.parse_ints(args.gammas, "--gammas"), temperature=args.temperature,
-                   hf_prompts_per_domain=args.hf_prompts_per_domain)
+                   hf_prompts_per_domain=args.hf_prompts_per_domain,
+                   auto_slacks=None if args.auto_slacks is None else e2e.parse_slacks(args.auto_slacks))
     e2e.check_options(**options, regimes=regimes, prompts_per_domain=args.prompts_per_domain)
     if args.shaped and (args.target or args.draft):
         raise ValueError("--shaped builds its own target and drafters; leave out --target and --draft.")

@@ -39,6 +39,7 @@ from ..cache import make_lm
 from ..drafters import History, ModelDrafter, NgramDrafter
 from ..engine import SpeculativeEngine
 from ..sampling import SamplingParams
+from ..select.guard import DEFAULT_SLACK, check_slack
 from .corpus import (
     DOMAINS,
     HELDOUT_FRACTION,
@@ -160,6 +161,8 @@ class Setup:
     gammas: list[int]
     seed: int
     compile: bool
+    # The guard's δ of each flashspec-auto system (None: the engine's default), one system each.
+    auto_slacks: tuple[float | None, ...] = (None,)
 
     @property
     def model_drafters(self) -> dict[str, Any]:
@@ -380,13 +383,20 @@ def _flashspec_bandit(s: Setup) -> list[System]:
 
 
 def _flashspec_auto(s: Setup) -> list[System]:
-    options = {"seed": s.seed}
-    engine = s.engine(list(s.drafters), gammas=s.gammas, selector="auto", selector_options=options)
-    arms = [engine.arm_label(a) for a in range(len(engine.arms))]
-    return [FlashSpecSystem("flashspec auto", "flashspec-auto", [s.target, *s.model_drafters.values()],
-                            engine=engine, per_context=True, selector="auto", selector_options=options,
-                            settings={"selector": "auto", "arms": arms, "context": "domain",
-                                      "slack": engine.slack})]
+    """One system per δ of ``s.auto_slacks``: "flashspec auto" at the engine's default, "flashspec
+    auto δ=X" at another (side by side, to choose δ by measurement: SPEC.md §8)."""
+    systems = []
+    for slack in s.auto_slacks:
+        options = {"seed": s.seed}
+        engine = s.engine(list(s.drafters), gammas=s.gammas, selector="auto", selector_options=options,
+                          slack="auto" if slack is None else slack)
+        arms = [engine.arm_label(a) for a in range(len(engine.arms))]
+        name = "flashspec auto" if slack is None else f"flashspec auto δ={slack:g}"
+        systems.append(FlashSpecSystem(name, "flashspec-auto", [s.target, *s.model_drafters.values()],
+                                       engine=engine, per_context=True, selector="auto", selector_options=options,
+                                       settings={"selector": "auto", "arms": arms, "context": "domain",
+                                                 "slack": engine.slack}))
+    return systems
 
 
 @dataclass(frozen=True)
@@ -423,9 +433,17 @@ FAMILY_NAMES = [f.name for f in FAMILIES]
 def check_options(
     *, systems: list[str], batch_sizes: list[int], gammas: list[int], prompts_per_domain: int,
     temperature: float, regimes: dict[str, Regime], drafters: list[str] | None = None,
-    hf_prompts_per_domain: int | None = None,
+    hf_prompts_per_domain: int | None = None, auto_slacks: list[float | None] | None = None,
 ) -> None:
     """Raise a ValueError for anything that would fail later (before minutes of model loading)."""
+    if auto_slacks is not None:
+        if not auto_slacks:
+            raise ValueError("auto slacks must be a non-empty list of δ values (numbers >= 0; None: the default).")
+        values = [None if v is None else check_slack(v) for v in auto_slacks]
+        if len(set(values)) != len(values):
+            raise ValueError(f"auto slacks must differ from one another; got {auto_slacks!r}.")
+        if None in values and DEFAULT_SLACK in values:
+            raise ValueError(f"auto slacks name the default δ ({DEFAULT_SLACK}) twice: as None and as a number.")
     if not systems:
         raise ValueError("No systems chosen; pick from: " + ", ".join(FAMILY_NAMES) + ".")
     for name in systems:
@@ -479,6 +497,24 @@ def parse_ints(text: str, what: str) -> list[int]:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise ValueError(f"{what} must be comma-separated integers; got {text!r}.") from None
+
+
+def parse_slacks(text: str) -> list[float | None]:
+    """``--auto-slacks``: comma-separated δ values, ``default`` for the engine's (None), as a
+    clear ValueError when a value is neither."""
+    values: list[float | None] = []
+    for v in (v.strip() for v in text.split(",")):
+        if not v:
+            continue
+        if v == "default":
+            values.append(None)
+            continue
+        try:
+            values.append(float(v))
+        except ValueError:
+            raise ValueError(f"--auto-slacks must be comma-separated numbers (δ, e.g. 0.01) or 'default'; "
+                             f"got {v!r}.") from None
+    return values
 
 
 def make_prompts(
@@ -612,6 +648,7 @@ def run(
     seed: int = 0,
     compile: bool = False,
     hf_prompts_per_domain: int | None = None,
+    auto_slacks: list[float | None] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Decode ``prompts`` (from :func:`make_prompts`) with every chosen system family; return
@@ -621,17 +658,19 @@ def run(
     ``"ngram"``. Prompt-lookup and assisted transformers systems only run at batch 1.
     ``hf_prompts_per_domain`` runs transformers' systems on the first that many batches of each
     domain only (on a GPU they are 10–40× slower than FlashSpec); paired ratios then use the
-    batches both systems ran."""
+    batches both systems ran. ``auto_slacks``: the guard's δ of each flashspec-auto system, one
+    system each (None: the engine's default; default: that one system)."""
     systems = list(FAMILY_NAMES if systems is None else systems)
     batch_sizes, gammas = list(batch_sizes), list(gammas)
     counts = {len(ps) for by_domain in prompts.values() for ps in by_domain.values()}
     check_options(systems=systems, batch_sizes=batch_sizes, gammas=gammas, prompts_per_domain=min(counts),
                   temperature=temperature, regimes=regimes, drafters=list(drafters),
-                  hf_prompts_per_domain=hf_prompts_per_domain)
+                  hf_prompts_per_domain=hf_prompts_per_domain, auto_slacks=auto_slacks)
     if set(prompts) != set(regimes):
         raise ValueError(f"prompts has regimes {sorted(prompts)} but regimes has {sorted(regimes)}.")
     device = target.device
-    setup = Setup(target, drafters, gammas, seed, compile)
+    slacks = tuple(None if v is None else float(v) for v in (auto_slacks or [None]))
+    setup = Setup(target, drafters, gammas, seed, compile, slacks)
     built = {f.name: f.build(setup) for f in FAMILIES if f.name in systems}
     chosen = [s for family in built.values() for s in family]
     if not chosen:

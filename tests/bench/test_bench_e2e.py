@@ -249,6 +249,9 @@ def test_run_checks_before_decoding(models, corpus):
     (["--temperature", "-1"], "temperature"),
     (["--shaped", "--draft", "ngram"], "--shaped builds its own"),
     (["--hf-prompts-per-domain", "0"], "hf prompts per domain"),
+    (["--auto-slacks", "0.01,x"], "--auto-slacks must be comma-separated numbers"),
+    (["--auto-slacks", "default,0.01"], "name the default"),
+    (["--auto-slacks", "-0.5"], "slack is how much slower"),
 ])
 def test_cli_checks_options_before_loading(args, message, capsys):
     assert main(["bench", "e2e", "--target", "/nonexistent", "--draft", "ngram", "--no-progress", *args]) == 2
@@ -448,3 +451,24 @@ def test_the_default_configuration_is_checked_call_by_call_against_target_only(c
     assert "bandit" not in cell["never_slower"]["systems"]
     md = bench_e2e.summarize(results)
     assert "Never slower (issue 23)" in md and "| flashspec auto | 6 |" in md
+
+
+def test_the_default_configuration_runs_at_several_slacks_side_by_side(corpus, models):
+    """``auto_slacks``: one flashspec-auto system per δ (None: the engine's default), each with its
+    own engine at that δ and its own never-slower report; bad lists are refused before loading."""
+    target, drafter = models
+    regimes = {"long": REGIMES["long"]}
+    prompts = make_prompts(regimes, 1, tokenizer=CharTokenizer(), corpus=corpus)
+    results = bench_e2e.run(target, {"ngram": "ngram"}, prompts, regimes, gammas=[2], auto_slacks=[None, 0.5, 0],
+                            systems=["flashspec", "flashspec-auto"], progress=False)
+    slacks = {s["name"]: s["slack"] for s in results["systems"] if s["family"] == "flashspec-auto"}
+    assert slacks == {"flashspec auto": DEFAULT_SLACK, "flashspec auto δ=0.5": 0.5, "flashspec auto δ=0": 0.0}
+    assert set(results["cells"][0]["never_slower"]["systems"]) == set(slacks)
+    assert bench_e2e.parse_slacks("default, 0.02,") == [None, 0.02]
+    for bad, words in (([], "non-empty"), ([0.02, 0.02], "differ"), ([None, DEFAULT_SLACK], "twice"),
+                       ([-1.0], "slack is how much slower"), ([float("nan")], "slack is how much slower")):
+        with pytest.raises(ValueError, match=words):
+            bench_e2e.check_options(systems=["flashspec-auto"], batch_sizes=[1], gammas=[2], prompts_per_domain=1,
+                                    temperature=0.0, regimes=regimes, auto_slacks=bad)
+    with pytest.raises(ValueError, match="--auto-slacks must be"):
+        bench_e2e.parse_slacks("0.01,lots")
