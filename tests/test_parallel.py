@@ -44,7 +44,7 @@ def ranks(tmp_path_factory) -> list[dict]:
            "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen([sys.executable, str(WORKER), str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(WORLD_SIZE)
     ]
     logs = []

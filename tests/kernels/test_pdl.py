@@ -4,6 +4,7 @@ they compute (SPEC §3)."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ import torch
 from flashspec.kernels import pdl
 
 CUDA = torch.cuda.is_available()
+# The repository root: the working directory of the child interpreters (a deleted current directory
+# makes `import torch` abort in oneMKL, so never inherit one).
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_off_where_it_cannot_run():
@@ -30,13 +34,13 @@ def test_environment_variable(value, expected):
     if value is not None:
         env["FLASHSPEC_PDL"] = value
     out = subprocess.run([sys.executable, "-c", "from flashspec.kernels import pdl; print(pdl.ENABLED)"],
-                         env=env, capture_output=True, text=True, check=True)
+                         env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
 
 
 def test_environment_variable_refuses_other_values():
     env = dict(os.environ, FLASHSPEC_PDL="yes")
-    out = subprocess.run([sys.executable, "-c", "import flashspec.kernels.pdl"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", "import flashspec.kernels.pdl"], env=env, cwd=ROOT, capture_output=True, text=True)
     assert out.returncode != 0
     assert "FLASHSPEC_PDL must be 1" in out.stderr and "'yes'" in out.stderr
 

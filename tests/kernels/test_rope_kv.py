@@ -6,6 +6,7 @@ torch.compile. Without CUDA it runs through Triton's interpreter (tests/conftest
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from flashspec.kernels.rope_kv import available, rope_write_kv, rope_write_kv_re
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+# The repository root: the child interpreter's working directory (never inherit a deleted one).
+ROOT = Path(__file__).resolve().parents[2]
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
 
@@ -216,6 +219,7 @@ def test_static_lm_imports_and_runs_without_triton():
         "print(tuple(lm.forward(torch.tensor([[1, 2, 3]]), torch.zeros(1, dtype=torch.long)).shape))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "(1, 3, 64)"
