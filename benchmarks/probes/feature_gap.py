@@ -32,14 +32,17 @@ folder = "flashspec/checkpoints/qwen2.5-coder-1.5b-instruct/general"
 real_record = train._target_record
 meta = json.load(open(f"{folder}/drafter.json"))
 train._target_record = lambda target, shared: {**real_record(target, shared), **{k: meta["target"][k] for k in ("shared_sha256",)}}
-engine = SpeculativeEngine(model, [f"feature:{folder}"], selector="fixed", target_only=True, slack=None,
+second = "flashspec/checkpoints/qwen2.5-coder-1.5b-instruct/code"
+engine = SpeculativeEngine(model, [f"feature:{folder}", f"feature:{second}", "ngram"], selector="fixed", target_only=True, slack=None,
                            compile=cuda, device=device)
 prompt = torch.randint(0, 150000, (1, 300), generator=torch.Generator().manual_seed(1)).tolist()
 results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "arms": [engine.arm_label(a, 4) for a in range(len(engine.arms))], "gaps": {}}
-feature, target = 0, engine.target_only_arm
+feature, other, ngram, target = 0, 1, 2, engine.target_only_arm
 new = 256 if not tiny else 40
-for gap in (0, 1, 2, 3, 5, 9, 20):
-    script = [target] * gap + [feature]
+SCRIPTS = {"0": [feature], "t1": [target, feature], "t5": [target] * 5 + [feature],
+           "other1": [other, feature], "other5": [other] * 5 + [feature], "ngram1": [ngram, feature],
+           "ngram5": [ngram] * 5 + [feature], "mix5": [other, target, ngram, target, other, feature]}
+for gap, script in SCRIPTS.items():
     times = []
     for trial in range(3):  # the first: compilations and captures
         engine.selection = engine.new_selection(ScriptedSelector(len(engine.arms), script))
@@ -47,7 +50,7 @@ for gap in (0, 1, 2, 3, 5, 9, 20):
         out = engine.generate(prompt, max_new_tokens=new, eos_token_id=[], seed=0)
         log = out.stats.step_log
         if trial:
-            times += [r.seconds for r in log[gap + 1:] if r.arm == engine.arm_label(feature, 4) and r.rows]
+            times += [r.seconds for r in log[len(script):] if r.arm == engine.arm_label(feature, 4) and r.rows]
         base = [r.seconds for r in log if r.arm == engine.arm_label(target, 4) and r.rows]
     if not times:
         continue
