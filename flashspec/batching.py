@@ -35,7 +35,7 @@ from .drafters import (
     NgramDrafter,
     ShallowDrafter,
 )
-from .drafters.base import History
+from .drafters.base import Growth
 from .graphs import Graphs, window_widths
 from .loop import FAULTS, Plan, Workspace, _Run, commit_tokens
 from .models import context_window, eval_mode
@@ -103,8 +103,9 @@ class _BatchRun(_Run):
         ws.fault.zero_()
         self.tokens, self.length, self.active, self.generated = ws.tokens, ws.length, ws.active, ws.generated
         # The host bound on row lengths starts at the batch's max_length, which no row ever passes,
-        # so a row that joins never raises it: the drafters' catch-up windows, sized from how the
-        # bound grew since their last proposal, stay those of the rows already there (SPEC.md §12).
+        # so a row that joins never raises it; the drafters' catch-up windows, sized from how far
+        # rows grew since their last proposal (self.growth), stay those of the rows already there
+        # (SPEC.md §4, §12).
         self.max_length = max_length
         self.rng = None  # each row has its own (rows[b].generator)
         self.draft_uniforms = ws.random[:, : self.gamma]
@@ -116,6 +117,7 @@ class _BatchRun(_Run):
         from .loop import _StepClock
 
         self.clock = _StepClock(device)
+        self.growth = Growth()  # a batch's steps, for every drafter's catch-up windows (SPEC.md §4)
         self.polled = 0
         self.generated_total = 0
         self.rows: list[_Row | None] = [None] * self.batch
@@ -212,7 +214,7 @@ class _BatchRun(_Run):
         self.rows[b] = row
         self.regroup()
         self.max_length = max(self.max_length, width + 1)
-        history = History(self.tokens, self.length, self.active, self.max_length, ws.hidden)
+        history = self.history()
         for drafter in self.plan.drafters:
             prefill_row = getattr(drafter, "prefill_row", None)
             if prefill_row is not None:
@@ -237,7 +239,7 @@ class _BatchRun(_Run):
         for b in range(self.batch):
             for fed in self.prefill_widths:
                 self.join_graphs.run(("join", b, fed), lambda b=b, fed=fed: self._join_forward(b, fed), warm=True)
-        history = History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden)
+        history = self.history()
         for drafter in self.plan.drafters:
             capture = getattr(drafter, "capture_joins", None)
             if capture is not None:
@@ -270,9 +272,10 @@ class _BatchRun(_Run):
     def after_poll(self) -> None:
         """Restart the per-step log (a batch runs for ever; the log holds one poll's steps).
 
-        ``max_length`` keeps the loop's own arithmetic (+ k + 1 per step, never tightened): model
-        drafters size their re-fed window from how it grows (``ModelDrafter._window``), and a
-        bound that shrank when a long row left would make them skip committed tokens."""
+        ``max_length`` keeps the loop's own arithmetic (+ k + 1 per step, never tightened), and
+        ``growth`` keeps its steps across polls: drafters size their re-fed windows from how far
+        rows grew since their last proposal (SPEC.md §4), and a count that restarted here, or a
+        bound that shrank when a long row left, would make them skip committed tokens."""
         self.ws.steps_taken.zero_()
         self.chosen.clear()
         self.proposed.clear()

@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .drafters import Drafter, History
+from .drafters.base import Growth
 from .graphs import Graphs, window_widths
 from .request import Request
 from .select import Observation, Selector
@@ -207,8 +208,8 @@ class _Run:
         ws.steps_taken.zero_()
         ws.fault.zero_()
         self.tokens, self.length, self.active, self.generated = ws.tokens, ws.length, ws.active, ws.generated
-        # A host-side upper bound on length.max(): + k + 1 per step, never capped (drafters size
-        # their catch-up windows from its growth and clamp them to the capacity, SPEC.md §4, §11).
+        # A host-side upper bound on length.max(): + k + 1 per step, never capped (the first
+        # proposal's width; catch-up windows after that come from self.growth, SPEC.md §4, §11).
         self.max_length = request.longest
         self.rng = torch.Generator(device=device)
         seed = request.seed
@@ -227,6 +228,7 @@ class _Run:
         self._catching_up = 0
         self.proposed: list[int] = []  # host: drafts per active row at each step
         self.clock = _StepClock(device)
+        self.growth = Growth()  # per step, how far a row may have grown: drafters' catch-up windows (SPEC.md §4)
         self.polled = 0  # steps already handed to the stats and the selector
         self.generated_total = 0  # tokens generated so far, as of the last poll
         for drafter in plan.drafters:
@@ -278,6 +280,7 @@ class _Run:
         self.proposed.append(k)
         self.caught_up.append(self._catching_up)
         self.max_length += k + 1
+        self.growth.launched(k)
 
     def graph_key(self, k: int, has_probs: bool, reuse: int | None) -> tuple:
         """The key of this step's score-verify-commit graph: what the captured work depends on
@@ -297,6 +300,10 @@ class _Run:
         self.stats.selector_seconds += time.perf_counter() - started
         return arm, self.plan.arm_gammas[arm]
 
+    def history(self) -> History:
+        """What a drafter sees of the rows: tokens, lengths, the host's bounds, the features."""
+        return History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden, self.growth)
+
     def _catch_up(self, arm: int) -> int:
         """How many committed positions ``arm``'s drafter must feed before this step's drafts
         beyond a steady step's (``Drafter.catch_up``, SPEC.md §4; 0 without a cache)."""
@@ -304,7 +311,7 @@ class _Run:
         catch_up = None if d is None else getattr(self.plan.drafters[d], "catch_up", None)
         if catch_up is None:
             return 0
-        return catch_up(History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden))
+        return catch_up(self.history())
 
     # The layer count after which this step's drafter handed back the target's states
     # (ws.draft_states, SPEC.md §11 verify reuse), or None; set by _propose.
@@ -318,7 +325,7 @@ class _Run:
         self.states_layer = None
         if arm is None or self.plan.arm_drafters[arm] is None:  # target-only: no drafts
             return False
-        history = History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden)
+        history = self.history()
         drafter = self.plan.drafters[self.plan.arm_drafters[arm]]
         draft = drafter.propose(history, k, self._draft_params(), self.draft_uniforms[:, :k])
         self._check_draft(drafter, draft, k)
@@ -468,6 +475,7 @@ class _Run:
             for arm, k, width, (accepted, active_rows, committed), dt in zip(
                 self.chosen[window], self.proposed[window], self.caught_up[window], entries, seconds
             ):
+                self.growth.polled(committed)
                 self._record(arm, k, accepted, active_rows, committed, dt, width)
             self.polled = snapshot.steps
         return bool(running)

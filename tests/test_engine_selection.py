@@ -194,3 +194,48 @@ def test_drafter_window_covers_unseen_tokens_with_few_distinct_widths(bound, see
         assert window == min(2, capacity) or window == min(bound, capacity)
     else:  # a switch: one width for every short gap
         assert window >= min(ModelDrafter.SWITCH_WINDOW, capacity, bound)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 4), gamma=st.integers(1, 6), steps=st.integers(0, 40))
+def test_growth_bounds_every_rows_growth_and_is_exact_once_polled_at_batch_one(data, batch, gamma, steps):
+    """SPEC §4, "Catch-up windows": ``Growth.since(j)`` bounds how far any row grew over steps
+    j, j + 1, … — k + 1 for a step not polled yet, at most what the step committed over all rows
+    once polled — so a window sized from it never leaves a position unfed; at batch 1, with
+    every step polled, it is exact (a gap of drafting steps that committed one token each costs
+    one position each, not γ + 1)."""
+    from flashspec.drafters.base import Growth
+
+    growth, commits, polled = Growth(), [], 0
+    for _ in range(steps):
+        k = data.draw(st.integers(0, gamma))
+        rows = [data.draw(st.integers(0, k + 1)) for _ in range(batch)]
+        growth.launched(k)
+        commits.append(rows)
+        upto = data.draw(st.integers(polled, len(commits)))
+        for i in range(polled, upto):
+            growth.polled(sum(commits[i]))
+        polled = upto
+    assert growth.steps == steps
+    for j in range(steps + 2):
+        truth = max(sum(c[r] for c in commits[j:]) for r in range(batch)) if commits[j:] else 0
+        assert growth.since(j) >= truth
+        if batch == 1 and polled == steps:
+            assert growth.since(j) == truth
+    if batch == 1 and polled == steps and steps:
+        history = History(torch.zeros(1, 8, dtype=torch.long), torch.ones(1, dtype=torch.long), growth=growth)
+        assert history.grown_since(history.mark()) == 0 and history.grown_since(0) == sum(c[0] for c in commits)
+
+
+def test_growth_forgets_old_steps_as_everything_unseen():
+    """Only Growth.KEPT steps are kept (a server's batch runs for ever): a reading older than
+    them counts as having missed everything, which every window clamps to the whole cache."""
+    from flashspec.drafters.base import Growth
+
+    growth = Growth()
+    for _ in range(Growth.KEPT + 10):
+        growth.launched(0)
+        growth.polled(1)
+    assert growth.steps == Growth.KEPT + 10
+    assert growth.since(Growth.KEPT + 10) == 0 and growth.since(20) == Growth.KEPT - 10
+    assert growth.since(3) >= 1 << 30

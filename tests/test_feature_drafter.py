@@ -706,3 +706,41 @@ def test_feature_windows_cover_the_unseen_positions_in_few_widths(capacity, boun
     unseen = bound if first else bound - drafter._fed_through + 1
     assert window >= min(unseen, capacity) and window >= FeatureDrafter.MIN_WINDOW
     assert window < 2 * max(unseen, FeatureDrafter.MIN_WINDOW)  # never more than twice the work needed
+
+
+@pytest.mark.parametrize("sync_every", [1, 4])
+def test_a_gap_of_drafting_steps_re_feeds_what_they_committed_not_their_draft_lengths(target, trained, sync_every):
+    """SPEC.md §4, "Catch-up windows": after steps of another drafter, a feature drafter re-feeds
+    the positions those steps committed (read at polls; k + 1 for a step no poll has read yet),
+    never fewer — not γ + 1 per step, which on the H200 pushed a window past the compiled widths
+    into an eager feed (+7 % a step, BENCHMARKS.md session 26). Greedy output stays the target's."""
+    from flashspec.bench.e2e import ScriptedSelector
+
+    prompt = [[(5 * j + 3) % 64 for j in range(12)]]
+    engine = SpeculativeEngine(target, [f"feature:{trained[0]}", "ngram"], gammas=[4], target_only=True,
+                               slack=None, device="cpu")
+    # feature@4 = 0, ngram@4 = 1, target@0 = 2: a feature step after every gap of six steps
+    engine.selection = engine.new_selection(ScriptedSelector(3, [0] + [1] * 6 + [0] + [2] * 3 + [1] * 3))
+    drafter, windows = engine.drafters[0], []
+    window = drafter._window
+
+    def recorded(history):
+        w = window(history)
+        windows.append((history.growth.steps, w))
+        return w
+    drafter._window = recorded
+    out = engine.generate(prompt, max_new_tokens=90, eos_token_id=[], sync_every=sync_every)
+    assert out.sequences == _reference(target, prompt, 90)
+    committed = [r.committed for r in out.stats.step_log]
+    proposals = sorted({step for step, _ in windows})  # (_window runs for the guard's price and the proposal)
+    assert len(proposals) > 5
+    narrower = 0
+    for previous, step in zip(proposals, proposals[1:]):
+        w = max(w for s, w in windows if s == step)
+        unseen = sum(committed[previous:step]) + 1  # what the rows really gained, and the pending token
+        assert w >= unseen  # nothing committed is left unfed
+        bound = 1 + sum(5 if r.arm != "target@0" else 1 for r in out.stats.step_log[previous:step])  # k + 1 each
+        if sync_every == 1:
+            assert w < 2 * max(unseen, FeatureDrafter.MIN_WINDOW)  # sized by what was committed
+        narrower += w < max(FeatureDrafter.MIN_WINDOW, 1 << (bound - 1).bit_length())
+    assert narrower > 0  # narrower than the draft lengths alone would have made it

@@ -10,6 +10,51 @@ import torch
 from ..sampling import SamplingParams, probabilities, sample
 
 
+class Growth:
+    """How far any row's length may have grown in each step launched so far: host arithmetic
+    that sizes drafters' catch-up windows without reading the device (SPEC.md §4, "Catch-up
+    windows"). A step drafting ``k`` tokens counts ``k + 1`` when launched; once a poll has read
+    what it committed (summed over rows, so still a bound for every row), that sum if smaller.
+    Without the second part a gap of drafting steps that each committed one token would count
+    ``γ + 1`` positions apiece, and the next drafter to run would re-feed several times the
+    positions it missed. Only the last :data:`KEPT` steps are kept: a reading older than that
+    counts as having missed everything."""
+
+    KEPT = 4096
+
+    def __init__(self) -> None:
+        self._grown: list[int] = []  # per kept step: its bound
+        self._first = 0  # the index of the first kept step
+        self._unpolled = 0  # the index of the first step no poll has read yet
+
+    @property
+    def steps(self) -> int:
+        """The steps launched so far (the index of the next one): a reading for :meth:`since`."""
+        return self._first + len(self._grown)
+
+    def launched(self, num_drafts: int) -> None:
+        """A step drafting ``num_drafts`` tokens (0: target-only) was launched."""
+        self._grown.append(num_drafts + 1)
+        if len(self._grown) > self.KEPT:
+            drop = len(self._grown) - self.KEPT
+            del self._grown[:drop]
+            self._first += drop
+            self._unpolled = max(self._unpolled, self._first)
+
+    def polled(self, committed: int) -> None:
+        """The oldest step no poll had read committed ``committed`` tokens over all rows."""
+        i = self._unpolled - self._first
+        if 0 <= i < len(self._grown):
+            self._grown[i] = min(self._grown[i], committed)
+        self._unpolled += 1
+
+    def since(self, step: int) -> int:
+        """An upper bound on how many positions any row gained in steps ``step, step + 1, …``."""
+        if step < self._first:
+            return 1 << 30  # forgotten: everything may be unseen (windows clamp to the capacity)
+        return sum(self._grown[step - self._first :])
+
+
 @dataclass
 class History:
     """The committed tokens of every row: ``tokens[b, :length[b]]`` (prompt, then output).
@@ -27,9 +72,25 @@ class History:
     # before its final norm) at every committed position but the pending one; only for drafters
     # with ``uses_hidden_states`` (n is their ``feature_layer``).
     hidden: dict[int, torch.Tensor] | None = None
+    # The engine's per-step growth bounds (None: measure growth by max_length alone).
+    growth: Growth | None = None
 
     def length_bound(self) -> int:
         return self.max_length if self.max_length is not None else self.tokens.shape[1]
+
+    def mark(self, after_step: int | None = None) -> int:
+        """A reading to measure later growth from (SPEC.md §4): the steps launched so far, or
+        without :attr:`growth` the length bound. ``after_step=k``: the reading once the step
+        about to be launched, drafting ``k`` tokens, has run."""
+        if self.growth is not None:
+            return self.growth.steps + (after_step is not None)
+        return self.length_bound() + (0 if after_step is None else after_step + 1)
+
+    def grown_since(self, mark: int) -> int:
+        """An upper bound on how many positions any row gained since ``mark`` (:meth:`mark`)."""
+        if self.growth is not None:
+            return self.growth.since(mark)
+        return self.length_bound() - mark
 
 
 @dataclass

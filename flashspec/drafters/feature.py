@@ -172,6 +172,7 @@ class FeatureDrafter:
     """
 
     uses_hidden_states = True  # the engine fills History.hidden
+    _fed_behind = 0  # (set by prefill_row and propose; a class default for bare instances)
     MIN_WINDOW = 4  # the narrowest re-fed width (a handful of widths means a handful of graphs)
     # The widths _window returns that run compiled (powers of two from MIN_WINDOW, up to
     # StaticLM.COMPILED_WIDTHS), all compiled at the first compiled proposal of a shape.
@@ -200,7 +201,8 @@ class FeatureDrafter:
         self._graphs = Graphs(enabled=device.type == "cuda")
         self._graph_inputs: tuple[int, ...] = ()
         self._features: torch.Tensor | None = None  # [B, capacity, hidden]: the drafter's own outputs
-        self._fed_through: int | None = None  # History.max_length when the last proposal began
+        self._fed_through: int | None = None  # History.mark() when the last proposal began (None: none yet)
+        self._fed_behind = 0  # positions before that mark left unfed (1 after a join: the pending token)
 
     @property
     def forward_seconds(self) -> float:
@@ -242,7 +244,7 @@ class FeatureDrafter:
                 self._feed(history.tokens[one], history.hidden[self.feature_layer][one], self._features[one],
                            zeros, width, zeros[:, None])
         if self._fed_through is None:  # no proposal yet: every row in the batch was fed at its join
-            self._fed_through = history.length_bound() - 1
+            self._fed_through, self._fed_behind = history.mark(), 1  # (its pending token unfed)
 
     def _check(self, history: History) -> None:
         if history.hidden is None or self.feature_layer not in history.hidden:
@@ -262,7 +264,8 @@ class FeatureDrafter:
         at least MIN_WINDOW, rounded up to a power of two, at most the capacity: always one of
         :func:`window_widths`."""
         bound = history.length_bound()
-        unseen = bound if self._fed_through is None else max(1, bound - self._fed_through + 1)
+        unseen = bound if self._fed_through is None else max(1, history.grown_since(self._fed_through) + 1
+                                                             + self._fed_behind)
         return min(history.tokens.shape[1], max(self.MIN_WINDOW, 1 << (unseen - 1).bit_length()))
 
     def widths(self, capacity: int) -> list[int]:
@@ -283,7 +286,7 @@ class FeatureDrafter:
             self._graphs.clear()
             self._graph_inputs = inputs
         window = self._window(history)
-        self._fed_through = history.length_bound()
+        self._fed_through, self._fed_behind = history.mark(), 0
         tokens, probs = self._graphs.run_widths(self.widths(history.tokens.shape[1]), window, (num_tokens, params),
                                                 lambda w: self._draft(history, w, num_tokens, params, uniforms))
         return Draft(tokens, probs)

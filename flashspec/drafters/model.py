@@ -41,7 +41,7 @@ class ModelDrafter:
         static_on_gpu = isinstance(self._lm, StaticLM) and self.model.device.type == "cuda"
         self._graphs = Graphs(enabled=static_on_gpu)
         self._zero = torch.zeros(1, dtype=torch.long, device=self.model.device)  # a join's start (graphs read it)
-        self._seen_through: int | None = None  # History.max_length once the last proposal's step ends
+        self._seen_through: int | None = None  # History.mark() once the last proposal's step ends
         self._graph_inputs: tuple[int, ...] = ()
 
     @property
@@ -69,7 +69,7 @@ class ModelDrafter:
         key = ("join", row, width)  # replayed when capture_joins captured it (SPEC.md §12, "Joins are graphs too")
         self._graphs.run(key if key in self._graphs else None, lambda: self._feed_row(history, row, width))
         if self._seen_through is None:  # no proposal yet: every row in the batch was fed at its join
-            self._seen_through = history.length_bound()
+            self._seen_through = history.mark()
         # Otherwise leave it: the other rows' tokens gained since this drafter's last proposal
         # (steps another arm drafted) are still unseen, and the next window must re-feed them.
 
@@ -118,7 +118,7 @@ class ModelDrafter:
             # SWITCH_WINDOW: re-feeding a few seen tokens rewrites their cache entries and costs
             # little in a latency-bound forward, while every distinct width is one more
             # compilation and CUDA graph.
-            unseen = max(2, 2 + bound - self._seen_through)
+            unseen = max(2, 2 + history.grown_since(self._seen_through))
             if unseen > 2:
                 unseen = max(unseen, self.SWITCH_WINDOW)
         width = min(history.tokens.shape[1], 1 << (unseen - 1).bit_length())  # the bound grows past the end
@@ -147,7 +147,7 @@ class ModelDrafter:
             self._graphs.clear()
             self._graph_inputs = inputs
         window = self._window(history)
-        self._seen_through = history.length_bound() + num_tokens + 1
+        self._seen_through = history.mark(after_step=num_tokens)
         # Every window replays a graph, the prompt's feed included; without graphs (the CPU) the
         # first proposal's feed runs eagerly, so that no prompt length compiles (SPEC.md §3, §4).
         eager = first and not self._graphs.enabled

@@ -114,7 +114,8 @@ class ShallowDrafter:
         device = next(target.model.parameters()).device
         self._graphs = Graphs(enabled=device.type == "cuda")
         self._graph_inputs: tuple[int, ...] = ()
-        self._fed_through: int | None = None
+        self._fed_through: int | None = None  # as FeatureDrafter's
+        self._fed_behind = 0
 
     @property
     def forward_seconds(self) -> float:
@@ -142,7 +143,7 @@ class ShallowDrafter:
                 features = history.hidden[self.feature_layer][row : row + 1, :width]
                 self.lm.forward(None, zeros, embeds=features, logits_at=zeros[:, None])
         if self._fed_through is None:  # no proposal yet: every row in the batch was fed at its join
-            self._fed_through = history.length_bound() - 1
+            self._fed_through, self._fed_behind = history.mark(), 1  # (its pending token unfed)
 
     def _check(self, history: History) -> None:
         if history.hidden is None or self.feature_layer not in history.hidden:
@@ -169,7 +170,7 @@ class ShallowDrafter:
             self._graphs.clear()
             self._graph_inputs = inputs
         window = self._window(history)
-        self._fed_through = history.length_bound()
+        self._fed_through, self._fed_behind = history.mark(), 0
         tokens, probs, states = self._graphs.run_widths(
             self.widths(history.tokens.shape[1]), window, (num_tokens, params),
             lambda w: self._draft(history, w, num_tokens, params, uniforms, below or None))
