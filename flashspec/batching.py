@@ -428,8 +428,12 @@ class Batch:
             return []
         failed: dict[int, str] = {}
         running = bool(run.active.any())
-        if not running and run.plan.guard is not None:
-            run.plan.guard.reset()  # the batch emptied: the never-slower budget starts again (SPEC.md §8)
+        if not running:  # the batch emptied: its next rows are new work (SPEC.md §8)
+            if run.plan.guard is not None:
+                run.plan.guard.reset()  # the never-slower budget starts again
+            begin = getattr(run.plan.selector, "begin_request", None)
+            if callable(begin):
+                begin()  # and the request selector's request
         if running:
             run.step()
             started = time.perf_counter()

@@ -53,7 +53,8 @@ class SpeculativeEngine:
             default: Thompson sampling on throughput over every arm plus the target-only arm,
             guarded so that no request gets more than ``slack`` slower than the target alone;
             SPEC.md §8), ``"fixed"`` (the first arm), ``"ucb1"``, ``"thompson"``,
-            ``"discounted-ucb"``, ``"sliding-window-ucb"``, ``"epsilon-greedy"``, or a selector
+            ``"discounted-ucb"``, ``"sliding-window-ucb"``, ``"epsilon-greedy"``, ``"request"``
+            (each request's own best arm, its context's past as a prior), or a selector
             object (:mod:`flashspec.select`). ``selector_options`` go to the named selector's
             class (e.g. ``{"reward": "acceptance", "seed": 0}``).
         target_only: add the arm "no drafting" (``"target@0"``, γ = 0) after the drafter arms.

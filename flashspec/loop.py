@@ -296,7 +296,8 @@ class _Run:
         if self.plan.guard is None:
             arm, self._catching_up = selector.select(), 0
         else:  # the selector's choice if it keeps the budget, else target-only (SPEC.md §8)
-            arm, self._catching_up = self.plan.guard.choose(selector.select, self._catch_up)
+            arm, self._catching_up = self.plan.guard.choose(selector.select, self._catch_up,
+                                                            getattr(selector, "rank", None))
         self.stats.selector_seconds += time.perf_counter() - started
         return arm, self.plan.arm_gammas[arm]
 

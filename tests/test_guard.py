@@ -438,3 +438,59 @@ def test_a_batch_runs_the_default_configuration_and_equals_generate():
                     got[update.handle].extend(update.tokens)
             assert [got[h] for h in order] == expected
     assert batch.stats.per_arm["target@0"].steps >= 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.floats(1.0, 6.0), min_size=3, max_size=3), order=st.permutations([0, 1, 2, 3]),
+       warm=st.integers(1, 40), slack=st.sampled_from([0.0, DEFAULT_SLACK, 0.2]))
+def test_the_guard_walks_a_deterministic_selectors_ranking(costs, order, warm, slack):
+    """SPEC.md §8, "Asking again": given ``rank`` (a deterministic selector's whole order of
+    preference), a refused first choice gives way to the first affordable arm of the ranking,
+    in its order — not to the same choice asked again — and to the target alone only when no
+    arm before it is affordable."""
+    guard = Guard([4, 2, 1, 0], baseline=3, slack=slack, priors=dict(enumerate(costs)))
+    for _ in range(warm):
+        guard.observe(guard.admit(3), tokens=1, seconds=1.0, rows=1)
+    room = guard._room()
+    asked = []
+
+    def select():
+        asked.append("select")
+        return order[0]
+    arm, _ = guard.choose(select, lambda a: 0, rank=lambda: list(order))
+    first_affordable = next((a for a in order if a == 3 or guard.cost(a) <= room), 3)
+    if guard.held:  # nothing fits: the short cut, the selector not asked
+        assert arm == 3 and not asked and min(costs) > room
+    else:
+        assert arm == first_affordable and asked == ["select"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_request_selector_behind_the_guard_keeps_greedy_output_and_learns_per_request(arch):
+    """selector="request" with the target-only arm and the guard (SPEC.md §8): greedy output is
+    generate's; each request starts its own counts (Selection.for_request → begin_request) and
+    the context keeps the earlier requests'; in a batch, every row equals its offline output."""
+    model = tiny_model(arch)
+    engine = SpeculativeEngine(model, [noisy_copy(model, 0.05, 2), "ngram"], gammas=[1, 3], selector="request",
+                               target_only=True)
+    assert engine.slack == DEFAULT_SLACK
+    ids = torch.tensor([PROMPTS[0]])
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)[0, ids.shape[1]:].tolist()
+    steps = []
+    for _ in range(2):
+        out = engine.generate(PROMPTS[:1], max_new_tokens=24, eos_token_id=[], context="chat")
+        assert out.sequences[0] == expected
+        selector = engine.selection.for_request("chat")  # (begins a third request: folds the second)
+        steps.append(sum(selector.context_steps))
+        assert sum(selector.steps) == 0
+    assert 0 < steps[0] < steps[1] == sum(selector.timed)
+    offline = [SpeculativeEngine(model, []).generate([p], max_new_tokens=12, eos_token_id=[]).sequences[0]
+               for p in PROMPTS]
+    with engine.batch(slots=2, max_length=64, eos_token_id=[]) as batch:
+        got = {batch.add(p, max_new_tokens=12): [] for p in PROMPTS}
+        order = list(got)
+        while batch.running:
+            for update in batch.step():
+                got[update.handle].extend(update.tokens)
+    assert [got[h] for h in order] == offline

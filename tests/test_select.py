@@ -533,3 +533,75 @@ def test_bad_updates_and_objects():
     assert make_selector(mine, 2) is mine
     with pytest.raises(ValueError, match="3 entries"):
         OracleSelector(2, means=[0.1, 0.2]).set_means([0.1, 0.2, 0.3])
+
+
+# -- the request selector ---------------------------------------------------------------------
+
+
+def test_request_selector_values_match_the_formula():
+    """SPEC.md §8, request: m_i = (w D_i / N_i + T_i) / (w + n_i) over the mean seconds, times
+    1 + b sqrt(ln(n + 2) / (w + n_i)); an arm never observed is worth the most."""
+    from flashspec.select import RequestSelector
+
+    sel = RequestSelector(3, prior_steps=2.0, bonus=0.5, seed=0)
+    for tokens, seconds in ((5, 2.0), (1, 2.0)):  # an earlier request: arm 0, 2 steps, 6 tokens, 2 s each
+        sel.update(0, Observation(tokens - 1, 4, tokens, seconds))
+    sel.begin_request()
+    sel.update(0, Observation(0, 4, 1, 1.0))  # this request: arm 0 once, 1 token in 1 s
+    sel.update(1, Observation(0, 0, 1, 0.5))  # arm 1 once (never in the context)
+    w, b, n = 2.0, 0.5, 2
+    v0 = (w * 6 / 2 + 1) / (w + 1) / (5.0 / 3) * (1 + b * math.sqrt(math.log(n + 2) / (w + 1)))
+    v1 = 1 / 1 / 0.5 * (1 + b * math.sqrt(math.log(n + 2) / (w + 1)))
+    values = sel.values()
+    assert values[0] == pytest.approx(v0) and values[1] == pytest.approx(v1) and values[2] == math.inf
+    assert sel.rank() == [2, 1, 0] and sel.select() == 2
+
+
+def test_request_selector_follows_its_own_request_over_the_context():
+    """A context where arm 0 paid (4 tokens a step) teaches a prior only: in a request where arm
+    0 yields one token a step it gives way to arm 1 (2 tokens at the same cost) within a few
+    steps, where a selector learning per context (Thompson, UCB1) would keep its long history."""
+    from flashspec.select import RequestSelector
+
+    sel = RequestSelector(2, seed=0)
+    for _ in range(200):  # earlier requests: arm 0 pays, arm 1 middling
+        sel.update(0, Observation(3, 4, 4, 1.0))
+        sel.update(1, Observation(1, 4, 2, 1.0))
+    sel.begin_request()
+    choices = []
+    for _ in range(30):
+        arm = sel.select()
+        choices.append(arm)
+        sel.update(arm, Observation(0 if arm == 0 else 1, 4, 1 if arm == 0 else 2, 1.0))
+    assert choices[0] == 0  # the prior says arm 0 first
+    switched = choices.index(1)
+    assert switched <= 8 and choices[switched:].count(1) >= len(choices[switched:]) - 2
+
+
+def test_request_selector_folds_a_request_in_when_the_next_begins():
+    """begin_request moves the request's counts into the context's and starts the next request
+    from zero; Selection.for_request calls it for every request (and the state round-trips)."""
+    from flashspec.select import RequestSelector, Selection
+
+    sel = RequestSelector(2, seed=1)
+    sel.update(1, Observation(2, 4, 3, 0.5))
+    assert sel.steps == [0, 1] and sel.context_steps == [0, 0]
+    sel.begin_request()
+    assert sel.steps == [0, 0] and sel.context_steps == [0, 1] and sel.context_tokens == [0, 3]
+    assert sel.timed == [0, 1] and sel.seconds == [0.0, 0.5]
+    again = selector_from_state_dict(json.loads(json.dumps(sel.state_dict())))
+    assert again.rank() == sel.rank() and again.context_tokens == [0, 3]
+    selection = Selection("request", 2, seed=0)
+    first = selection.for_request("code")
+    first.update(0, Observation(0, 4, 1, 1.0))
+    assert selection.for_request("code") is first and first.context_steps == [1, 0] and first.steps == [0, 0]
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"prior_steps": 0}, "prior_steps must be > 0"),
+    ({"bonus": -0.1}, "bonus must be >= 0"),
+    ({"reward": "acceptance"}, "needs reward='throughput'"),
+])
+def test_bad_request_selector_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        make_selector("request", 3, **options)

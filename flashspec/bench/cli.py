@@ -137,6 +137,9 @@ def _e2e_parser(sub: Any) -> None:
     p.add_argument("--auto-slacks", default=None,
                    help="comma-separated δ values of the never-slower guard, one flashspec-auto system each, side "
                         "by side ('default' for the engine's default, 0.01); default: that one system")
+    p.add_argument("--auto-selectors", default=None,
+                   help="comma-separated selectors behind the never-slower guard, one flashspec-auto system per "
+                        "(selector, δ), side by side ('default' for auto's own, thompson; e.g. default,request)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
@@ -393,7 +396,8 @@ def bench_e2e(args: argparse.Namespace) -> None:
                    batch_sizes=e2e.parse_ints(args.batch_sizes, "--batch-sizes"),
                    gammas=e2e.parse_ints(args.gammas, "--gammas"), temperature=args.temperature,
                    hf_prompts_per_domain=args.hf_prompts_per_domain,
-                   auto_slacks=None if args.auto_slacks is None else e2e.parse_slacks(args.auto_slacks))
+                   auto_slacks=None if args.auto_slacks is None else e2e.parse_slacks(args.auto_slacks),
+                   auto_selectors=None if args.auto_selectors is None else e2e.parse_selectors(args.auto_selectors))
     e2e.check_options(**options, regimes=regimes, prompts_per_domain=args.prompts_per_domain)
     if args.shaped and (args.target or args.draft):
         raise ValueError("--shaped builds its own target and drafters; leave out --target and --draft.")

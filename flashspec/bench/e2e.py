@@ -39,6 +39,7 @@ from ..cache import make_lm
 from ..drafters import History, ModelDrafter, NgramDrafter
 from ..engine import SpeculativeEngine
 from ..sampling import SamplingParams
+from ..select import SELECTORS
 from ..select.guard import DEFAULT_SLACK, check_slack
 from .corpus import (
     DOMAINS,
@@ -163,6 +164,9 @@ class Setup:
     compile: bool
     # The guard's δ of each flashspec-auto system (None: the engine's default), one system each.
     auto_slacks: tuple[float | None, ...] = (None,)
+    # The selector behind the guard of each flashspec-auto system (None: the default, auto's);
+    # one system per (selector, δ).
+    auto_selectors: tuple[str | None, ...] = (None,)
 
     @property
     def model_drafters(self) -> dict[str, Any]:
@@ -383,19 +387,23 @@ def _flashspec_bandit(s: Setup) -> list[System]:
 
 
 def _flashspec_auto(s: Setup) -> list[System]:
-    """One system per δ of ``s.auto_slacks``: "flashspec auto" at the engine's default, "flashspec
-    auto δ=X" at another (side by side, to choose δ by measurement: SPEC.md §8)."""
+    """One system per (selector, δ) of ``s.auto_selectors`` × ``s.auto_slacks``: "flashspec auto"
+    at the engine's defaults, "flashspec auto δ=X" at another δ, "flashspec auto [NAME]" with
+    another selector behind the target-only arm and the guard (side by side, to choose by
+    measurement: SPEC.md §8)."""
     systems = []
-    for slack in s.auto_slacks:
-        options = {"seed": s.seed}
-        engine = s.engine(list(s.drafters), gammas=s.gammas, selector="auto", selector_options=options,
-                          slack="auto" if slack is None else slack)
-        arms = [engine.arm_label(a) for a in range(len(engine.arms))]
-        name = "flashspec auto" if slack is None else f"flashspec auto δ={slack:g}"
-        systems.append(FlashSpecSystem(name, "flashspec-auto", [s.target, *s.model_drafters.values()],
-                                       engine=engine, per_context=True, selector="auto", selector_options=options,
-                                       settings={"selector": "auto", "arms": arms, "context": "domain",
-                                                 "slack": engine.slack}))
+    for selector in s.auto_selectors:
+        for slack in s.auto_slacks:
+            options = {"seed": s.seed}
+            engine = s.engine(list(s.drafters), gammas=s.gammas, selector=selector or "auto", selector_options=options,
+                              slack="auto" if slack is None else slack, target_only=True)
+            arms = [engine.arm_label(a) for a in range(len(engine.arms))]
+            name = "flashspec auto" + (f" [{selector}]" if selector else "") + ("" if slack is None else f" δ={slack:g}")
+            systems.append(FlashSpecSystem(name, "flashspec-auto", [s.target, *s.model_drafters.values()],
+                                           engine=engine, per_context=True, selector=selector or "auto",
+                                           selector_options=options,
+                                           settings={"selector": selector or "auto", "arms": arms, "context": "domain",
+                                                     "slack": engine.slack}))
     return systems
 
 
@@ -434,8 +442,18 @@ def check_options(
     *, systems: list[str], batch_sizes: list[int], gammas: list[int], prompts_per_domain: int,
     temperature: float, regimes: dict[str, Regime], drafters: list[str] | None = None,
     hf_prompts_per_domain: int | None = None, auto_slacks: list[float | None] | None = None,
+    auto_selectors: list[str | None] | None = None,
 ) -> None:
     """Raise a ValueError for anything that would fail later (before minutes of model loading)."""
+    if auto_selectors is not None:
+        if not auto_selectors:
+            raise ValueError("auto selectors must be a non-empty list of selector names (None: the default).")
+        if len(set(auto_selectors)) != len(auto_selectors):
+            raise ValueError(f"auto selectors must differ from one another; got {auto_selectors!r}.")
+        for name in auto_selectors:
+            if name is not None and (name not in SELECTORS or SELECTORS[name].kind in ("fixed", "oracle")):
+                learning = ", ".join(n for n in SELECTORS if n not in ("fixed", "oracle"))
+                raise ValueError(f"An auto selector is a learning selector ({learning}) or 'default'; got {name!r}.")
     if auto_slacks is not None:
         if not auto_slacks:
             raise ValueError("auto slacks must be a non-empty list of δ values (numbers >= 0; None: the default).")
@@ -515,6 +533,11 @@ def parse_slacks(text: str) -> list[float | None]:
             raise ValueError(f"--auto-slacks must be comma-separated numbers (δ, e.g. 0.01) or 'default'; "
                              f"got {v!r}.") from None
     return values
+
+
+def parse_selectors(text: str) -> list[str | None]:
+    """``--auto-selectors``: comma-separated selector names, ``default`` for auto's own (None)."""
+    return [None if v == "default" else v for v in (v.strip() for v in text.split(",")) if v]
 
 
 def make_prompts(
@@ -649,6 +672,7 @@ def run(
     compile: bool = False,
     hf_prompts_per_domain: int | None = None,
     auto_slacks: list[float | None] | None = None,
+    auto_selectors: list[str | None] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Decode ``prompts`` (from :func:`make_prompts`) with every chosen system family; return
@@ -659,18 +683,20 @@ def run(
     ``hf_prompts_per_domain`` runs transformers' systems on the first that many batches of each
     domain only (on a GPU they are 10–40× slower than FlashSpec); paired ratios then use the
     batches both systems ran. ``auto_slacks``: the guard's δ of each flashspec-auto system, one
-    system each (None: the engine's default; default: that one system)."""
+    system each (None: the engine's default; default: that one system); ``auto_selectors``: the
+    selector behind the guard, one system per (selector, δ) (None: auto's own)."""
     systems = list(FAMILY_NAMES if systems is None else systems)
     batch_sizes, gammas = list(batch_sizes), list(gammas)
     counts = {len(ps) for by_domain in prompts.values() for ps in by_domain.values()}
     check_options(systems=systems, batch_sizes=batch_sizes, gammas=gammas, prompts_per_domain=min(counts),
                   temperature=temperature, regimes=regimes, drafters=list(drafters),
-                  hf_prompts_per_domain=hf_prompts_per_domain, auto_slacks=auto_slacks)
+                  hf_prompts_per_domain=hf_prompts_per_domain, auto_slacks=auto_slacks,
+                  auto_selectors=auto_selectors)
     if set(prompts) != set(regimes):
         raise ValueError(f"prompts has regimes {sorted(prompts)} but regimes has {sorted(regimes)}.")
     device = target.device
     slacks = tuple(None if v is None else float(v) for v in (auto_slacks or [None]))
-    setup = Setup(target, drafters, gammas, seed, compile, slacks)
+    setup = Setup(target, drafters, gammas, seed, compile, slacks, tuple(auto_selectors or [None]))
     built = {f.name: f.build(setup) for f in FAMILIES if f.name in systems}
     chosen = [s for family in built.values() for s in family]
     if not chosen:

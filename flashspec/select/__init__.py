@@ -16,6 +16,7 @@ name                   class                                       module
 ``thompson``           :class:`ThompsonSelector`                   ``thompson``
 ``epsilon-greedy``     :class:`EpsilonGreedySelector`              ``epsilon``
 ``oracle``             :class:`OracleSelector`                     ``oracle``
+``request``            :class:`RequestSelector`                    ``request``
 =====================  ==========================================  ==============
 """
 
@@ -25,6 +26,7 @@ from .base import REWARDS, BaseSelector, Observation, Selector
 from .epsilon import EpsilonGreedySelector
 from .fixed import FixedSelector
 from .oracle import OracleSelector
+from .request import RequestSelector
 from .thompson import ThompsonSelector
 from .registry import SELECTORS, make_selector, selector_from_state_dict
 from .state import Selection
@@ -39,6 +41,7 @@ __all__ = [
     "FixedSelector",
     "Observation",
     "OracleSelector",
+    "RequestSelector",
     "Selection",
     "Selector",
     "SlidingWindowUCBSelector",

@@ -160,6 +160,10 @@ class BaseSelector:
             self.selections[arm] += 1
             return arm
 
+    def begin_request(self) -> None:
+        """A new request begins (``Selection.for_request`` calls this): a no-op for selectors
+        that learn across requests alike; the request selector folds the last one in."""
+
     def update(self, arm: int, observation: Observation) -> None:
         """Record what ``arm`` achieved in one step."""
         arm = self._check_arm(arm)

@@ -150,11 +150,14 @@ class Guard:
         return ratio * max(self.prefill_seconds, b * self.prefill_seconds / self.prefill_tokens)
 
     # ------------------------------------------------------------------ choosing
-    def choose(self, select: Callable[[], int], catch_up: Callable[[int], int]) -> tuple[int, int]:
+    def choose(self, select: Callable[[], int], catch_up: Callable[[int], int],
+               rank: Callable[[], Sequence[int]] | None = None) -> tuple[int, int]:
         """The arm this step runs and its catch-up width: the selector's choice (``select()``)
         when its worst case keeps the budget; else the selector is asked again, up to
-        :data:`RETRIES` times; else the target-only arm (always, until a target-only step has
-        been observed). ``catch_up(arm)``: the width the arm's drafter must catch up on first."""
+        :data:`RETRIES` times — or, given ``rank`` (a deterministic selector's order of
+        preference), the first affordable arm of ``rank()``; else the target-only arm (always,
+        until a target-only step has been observed). ``catch_up(arm)``: the width the arm's
+        drafter must catch up on first."""
         room = self._room() if self.base_steps else None
         if room is not None and room < self._cheapest():
             # Not even the cheapest drafting step fits the budget: run the target alone without
@@ -162,10 +165,10 @@ class Guard:
             self.held += 1
             self.pending.append((self.baseline, 0))
             return self.baseline, 0
-        return self._choose(select, catch_up, room)
+        return self._choose(select, catch_up, room, rank)
 
     def _choose(self, select: Callable[[], int], catch_up: Callable[[int], int],
-                room: float | None) -> tuple[int, int]:
+                room: float | None, rank: Callable[[], Sequence[int]] | None = None) -> tuple[int, int]:
         """:meth:`choose` after its short cut; ``room``: :meth:`_room` (None: no target-only step yet)."""
         first = arm = select()
         width = 0
@@ -173,9 +176,14 @@ class Guard:
             if room is None:
                 arm = self.baseline
             else:
-                for attempt in range(RETRIES + 1):
-                    if attempt:
+                # Asking again: a sampler's next draws, or the rest of a deterministic ranking.
+                later = None
+                for attempt in range(RETRIES + 1 if rank is None else len(self.gammas)):
+                    if attempt and rank is None:
                         arm = select()
+                    elif attempt:
+                        later = later or iter([a for a in rank() if a != first])
+                        arm = next(later, self.baseline)
                     if arm == self.baseline:
                         break
                     width = catch_up(arm)

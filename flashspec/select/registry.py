@@ -8,6 +8,7 @@ from .base import BaseSelector, Selector
 from .epsilon import EpsilonGreedySelector
 from .fixed import FixedSelector
 from .oracle import OracleSelector
+from .request import RequestSelector
 from .thompson import ThompsonSelector
 from .ucb import DiscountedUCBSelector, SlidingWindowUCBSelector, UCB1Selector
 
@@ -23,6 +24,7 @@ SELECTORS: dict[str, type[BaseSelector]] = {
         SlidingWindowUCBSelector,
         EpsilonGreedySelector,
         OracleSelector,
+        RequestSelector,
     )
 }
 

@@ -58,7 +58,15 @@ class Selection:
         self.contexts: OrderedDict[Hashable, Selector] = OrderedDict()  # least recently used first
 
     def for_request(self, context: Hashable = None) -> Selector | None:
-        """The selector a request labelled ``context`` uses (None: target-only)."""
+        """The selector a request labelled ``context`` uses (None: target-only), told that a
+        new request begins (``begin_request``, where it has one)."""
+        selector = self._for_request(context)
+        begin = getattr(selector, "begin_request", None)
+        if callable(begin):
+            begin()
+        return selector
+
+    def _for_request(self, context: Hashable) -> Selector | None:
         if self.selector is None:
             return None
         if not self.share:

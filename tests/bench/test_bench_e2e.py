@@ -252,6 +252,8 @@ def test_run_checks_before_decoding(models, corpus):
     (["--auto-slacks", "0.01,x"], "--auto-slacks must be comma-separated numbers"),
     (["--auto-slacks", "default,0.01"], "name the default"),
     (["--auto-slacks", "-0.5"], "slack is how much slower"),
+    (["--auto-selectors", "default,fixed"], "learning selector"),
+    (["--auto-selectors", ","], "non-empty"),
 ])
 def test_cli_checks_options_before_loading(args, message, capsys):
     assert main(["bench", "e2e", "--target", "/nonexistent", "--draft", "ngram", "--no-progress", *args]) == 2
@@ -472,3 +474,27 @@ def test_the_default_configuration_runs_at_several_slacks_side_by_side(corpus, m
                                     temperature=0.0, regimes=regimes, auto_slacks=bad)
     with pytest.raises(ValueError, match="--auto-slacks must be"):
         bench_e2e.parse_slacks("0.01,lots")
+
+
+def test_the_default_configuration_runs_with_several_selectors_side_by_side(corpus, models):
+    """``auto_selectors``: one flashspec-auto system per (selector, δ), each its own engine with
+    the target-only arm and the guard, the named selector behind it; bad lists are refused
+    before loading."""
+    target, drafter = models
+    regimes = {"long": REGIMES["long"]}
+    prompts = make_prompts(regimes, 1, tokenizer=CharTokenizer(), corpus=corpus)
+    results = bench_e2e.run(target, {"ngram": "ngram"}, prompts, regimes, gammas=[2], auto_selectors=[None, "request"],
+                            auto_slacks=[None, 0.5], systems=["flashspec", "flashspec-auto"], progress=False)
+    auto = {s["name"]: (s["selector"], s["slack"], s["arms"][-1]) for s in results["systems"]
+            if s["family"] == "flashspec-auto"}
+    assert auto == {"flashspec auto": ("auto", DEFAULT_SLACK, "target@0"),
+                    "flashspec auto δ=0.5": ("auto", 0.5, "target@0"),
+                    "flashspec auto [request]": ("request", DEFAULT_SLACK, "target@0"),
+                    "flashspec auto [request] δ=0.5": ("request", 0.5, "target@0")}
+    assert set(results["cells"][0]["never_slower"]["systems"]) == set(auto)
+    assert bench_e2e.parse_selectors("default, request,") == [None, "request"]
+    for bad, words in (([], "non-empty"), (["request", "request"], "differ"), (["fixed"], "learning selector"),
+                       (["bogus"], "learning selector")):
+        with pytest.raises(ValueError, match=words):
+            bench_e2e.check_options(systems=["flashspec-auto"], batch_sizes=[1], gammas=[2], prompts_per_domain=1,
+                                    temperature=0.0, regimes=regimes, auto_selectors=bad)
