@@ -398,7 +398,8 @@ def _flashspec_auto(s: Setup) -> list[System]:
             engine = s.engine(list(s.drafters), gammas=s.gammas, selector=selector or "auto", selector_options=options,
                               slack="auto" if slack is None else slack, target_only=True)
             arms = [engine.arm_label(a) for a in range(len(engine.arms))]
-            name = "flashspec auto" + (f" [{selector}]" if selector else "") + ("" if slack is None else f" δ={slack:g}")
+            name = "flashspec auto" + (f" [{selector}]" if selector else "")
+            name += "" if slack is None else f" δ={slack:g}"
             systems.append(FlashSpecSystem(name, "flashspec-auto", [s.target, *s.model_drafters.values()],
                                            engine=engine, per_context=True, selector=selector or "auto",
                                            selector_options=options,
