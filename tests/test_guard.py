@@ -431,13 +431,17 @@ def test_a_batch_runs_the_default_configuration_and_equals_generate():
                 for p in PROMPTS]
     with engine.batch(slots=2, max_length=64, eos_token_id=[]) as batch:
         for _ in range(2):  # twice: the second time after the batch emptied
-            got = {batch.add(p, max_new_tokens=16): [] for p in PROMPTS}
-            order = list(got)
-            while batch.running:
-                for update in batch.step():
-                    got[update.handle].extend(update.tokens)
-            assert [got[h] for h in order] == expected
+            assert _run_batch(batch, PROMPTS, 16) == expected
     assert batch.stats.per_arm["target@0"].steps >= 1
+
+
+def _run_batch(batch, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Every prompt through ``batch`` until it empties: each one's new tokens, in order."""
+    got = {batch.add(p, max_new_tokens=new_tokens): [] for p in prompts}
+    while batch.running:
+        for update in batch.step():
+            got[update.handle].extend(update.tokens)
+    return list(got.values())
 
 
 @settings(max_examples=200, deadline=None)
@@ -484,13 +488,8 @@ def test_the_request_selector_behind_the_guard_keeps_greedy_output_and_learns_pe
         selector = engine.selection.for_request("chat")  # (begins a third request: folds the second)
         steps.append(sum(selector.context_steps))
         assert sum(selector.steps) == 0
-    assert 0 < steps[0] < steps[1] == sum(selector.timed)
+    assert 0 < steps[0] < steps[1] == sum(selector.context_steps) + sum(selector.steps)
     offline = [SpeculativeEngine(model, []).generate([p], max_new_tokens=12, eos_token_id=[]).sequences[0]
                for p in PROMPTS]
     with engine.batch(slots=2, max_length=64, eos_token_id=[]) as batch:
-        got = {batch.add(p, max_new_tokens=12): [] for p in PROMPTS}
-        order = list(got)
-        while batch.running:
-            for update in batch.step():
-                got[update.handle].extend(update.tokens)
-    assert [got[h] for h in order] == offline
+        assert _run_batch(batch, PROMPTS, 12) == offline

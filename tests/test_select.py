@@ -588,7 +588,7 @@ def test_request_selector_folds_a_request_in_when_the_next_begins():
     assert sel.steps == [0, 1] and sel.context_steps == [0, 0]
     sel.begin_request()
     assert sel.steps == [0, 0] and sel.context_steps == [0, 1] and sel.context_tokens == [0, 3]
-    assert sel.timed == [0, 1] and sel.seconds == [0.0, 0.5]
+    assert [c + n for c, n in zip(sel.context_steps, sel.steps)] == [0, 1] and sel.seconds == [0.0, 0.5]
     again = selector_from_state_dict(json.loads(json.dumps(sel.state_dict())))
     assert again.rank() == sel.rank() and again.context_tokens == [0, 3]
     selection = Selection("request", 2, seed=0)

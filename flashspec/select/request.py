@@ -45,8 +45,7 @@ class RequestSelector(BaseSelector):
         self.context_tokens = [0] * n  # D_i: their tokens
         self.steps = [0] * n  # n_i: this request's steps of the arm
         self.tokens = [0] * n  # T_i: their tokens
-        self.timed = [0] * n  # every step of the arm, for its mean seconds
-        self.seconds = [0.0] * n
+        self.seconds = [0.0] * n  # every step's seconds (N_i + n_i of them), for the mean
 
     def _config(self) -> dict[str, Any]:
         return {**super()._config(), "prior_steps": self.prior_steps, "bonus": self.bonus}
@@ -75,7 +74,7 @@ class RequestSelector(BaseSelector):
         out = []
         for i in range(self.num_arms):
             own, past = self.steps[i], self.context_steps[i]
-            if not self.timed[i] or not (own or past):
+            if not (own or past):
                 out.append(math.inf)
                 continue
             if past:
@@ -83,7 +82,7 @@ class RequestSelector(BaseSelector):
             else:
                 mean = self.tokens[i] / own
             confidence = 1 + self.bonus * math.sqrt(math.log(n + 2) / (w + own))
-            out.append(mean / (self.seconds[i] / self.timed[i]) * confidence)
+            out.append(mean / (self.seconds[i] / (own + past)) * confidence)
         return out
 
     def rank(self) -> list[int]:
@@ -104,12 +103,11 @@ class RequestSelector(BaseSelector):
     def _update(self, arm: int, obs, reward: float) -> None:
         self.steps[arm] += 1
         self.tokens[arm] += obs.tokens
-        self.timed[arm] += 1
         self.seconds[arm] += obs.seconds
 
     # -- state ---------------------------------------------------------------------------
 
-    NAMES = ("context_steps", "context_tokens", "steps", "tokens", "timed", "seconds")
+    NAMES = ("context_steps", "context_tokens", "steps", "tokens", "seconds")
 
     def _get_stats(self) -> dict[str, Any]:
         return {name: list(getattr(self, name)) for name in self.NAMES}
