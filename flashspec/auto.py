@@ -135,6 +135,8 @@ def measure_steps(engine: Any, *, context: int = CONTEXT, steps: int = STEPS, us
            "dtype": str(param.dtype).removeprefix("torch."), **_versions(),
            "drafters": [_drafter_identity(d) for d in engine.drafters],
            "arms": [engine.arm_label(a) for a in range(len(engine.arms))], "context": context, "steps": steps}
+    if engine.bit_exact:  # other kernels, other costs (SPEC.md §14); keys of the default mode unchanged
+        key["bit_exact"] = True
     path = _cache_path(key, prefix="steps-")
     record = _read_json(path, key) if use_cache else None
     if record is None:
@@ -229,7 +231,7 @@ def calibrated_engine(target: Any, drafters: Any = (), *, device: str | torch.de
                                  **options), choice
     probe = SpeculativeEngine(target, drafters, gammas=list(range(1, max_gamma + 1)), selector="fixed",
                               target_only=True, slack=None, tokenizer=tokenizer, device=device, dtype=dtype,
-                              compile=compile)
+                              compile=compile, bit_exact=options.get("bit_exact", False))  # timed as it will run
     choice.target_step, choice.step_seconds, choice.catch_up_seconds = measure_steps(
         probe, use_cache=use_cache, progress=progress)
     kept, gammas = [], set()

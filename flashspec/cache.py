@@ -92,6 +92,8 @@ class StaticLM:
         one_row = {"qkv", "o", "down"} if self._norms_fusable else {"o", "down"}
         self.decode_maps = frozenset(one_row) if sixteen else frozenset()
         self.decode_maps_wide = frozenset({"o"}) if sixteen else frozenset()
+        self._bit_exact = False
+        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # bit-exact mode: cos, sin [capacity, D]
         self._compiled = None
         if compile:
             # One compilation per (model, token count, logits_at or not); dynamo counts them per
@@ -104,6 +106,59 @@ class StaticLM:
             self._compiled_inputs = torch.compile(self._inputs, dynamic=False)
 
     DECODE_MAPS = ("qkv", "o", "gate_up", "down")
+
+    @property
+    def bit_exact(self) -> bool:
+        """Bit-exact mode (SPEC.md §14): a decode forward's logits, and the keys and values it
+        writes, at a position are bit-identical whether the forward feeds 1 token or several per
+        sequence and whatever the other sequences of the batch are — every linear map (the output
+        head and the norms before them included) through ``decode_linear(..., exact=True)``, the
+        attention kernel's exact tiles and splits, rotary tables looked up per position. Setting
+        it to True raises ``ValueError`` saying why where it cannot hold."""
+        return self._bit_exact
+
+    @bit_exact.setter
+    def bit_exact(self, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"bit_exact must be True or False; got {value!r}.")
+        if value:
+            reason = self._bit_exact_unsupported()
+            if reason:
+                raise ValueError(f"bit_exact=True is not available here: {reason}.")
+        self._bit_exact = value
+        self._rotary = None
+        if value and self.capacity:
+            self._make_rotary_table()
+
+    def _bit_exact_unsupported(self) -> str | None:
+        """Why bit-exact mode cannot run for this model here, or None."""
+        if not _sixteen_bit(self.model):
+            return ("it is for bfloat16 and float16 models (in float32 a 1-token and a several-token forward "
+                    "already agree to about 1e-6, SPEC.md §7)")
+        if getattr(self.model, "_flashspec_tp", None) is not None:
+            return "tensor-parallel ranks add partial sums in another order than one GPU (SPEC.md §9)"
+        if not (self._norms_fusable and _final_norm_fusable(self.model)):
+            return ("the model's RMSNorms or its MLP activation are not the ones flashspec's decode kernels "
+                    "compute, so its linear maps cannot all run through them")
+        if hasattr(self.base.layers[0].self_attn, "q_norm"):
+            return "per-head query and key norms (Qwen3) are not yet computed by the decode kernels"
+        param = next(self.model.parameters())
+        if not attention.available(param):
+            return ("it runs the Triton decode kernels: it needs a CUDA GPU with Triton "
+                    "(pip install 'flashspec[gpu]'), or Triton's interpreter on the CPU (TRITON_INTERPRET=1, tests)")
+        return None
+
+    def _make_rotary_table(self) -> None:
+        """Bit-exact mode: every position's rotary ``cos, sin`` computed once, by the model's own
+        rotary embedding, so that forwards of any width read the same values for a position."""
+        param = next(self.model.parameters())
+        positions = torch.arange(self.capacity, device=param.device)[None]
+        probe = torch.zeros(1, self.capacity, 1, dtype=param.dtype, device=param.device)
+        cos, sin = self.base.rotary_emb(probe, positions)
+        self._rotary = (cos[0].contiguous(), sin[0].contiguous())
+        if self._compiled is not None:
+            for t in self._rotary:
+                torch._dynamo.mark_static_address(t)
 
     @property
     def decode_maps(self) -> frozenset[str]:
@@ -170,6 +225,8 @@ class StaticLM:
             for t in self.keys + self.values:
                 torch._dynamo.mark_static_address(t)
         self.batch, self.capacity = batch, capacity
+        if self._bit_exact:
+            self._make_rotary_table()
         return True
 
     @contextlib.contextmanager
@@ -251,13 +308,18 @@ class StaticLM:
         x = self.base.embed_tokens(tokens) if embeds is None else embeds
         width = x.shape[1]
         positions = (start[:, None] + torch.arange(width, device=x.device)).clamp(max=self.capacity - 1)
-        cos, sin = self.base.rotary_emb(x, positions)
+        if self._rotary is not None:  # bit-exact mode: the same values for a position in any forward
+            cos, sin = self._rotary[0][positions], self._rotary[1][positions]
+        else:
+            cos, sin = self.base.rotary_emb(x, positions)
         return x, positions, cos, sin
 
     def _decode_kernels(self, x: torch.Tensor) -> bool:
         """Whether this forward of ``x [B, q, hidden]`` runs on the Triton decode kernels
-        (attention, rotary + cache write, linear maps): CUDA with Triton, ``q ≤ 16``."""
-        return bool(x.is_cuda and x.shape[1] <= self.COMPILED_WIDTHS and attention.available(x))
+        (attention, rotary + cache write, linear maps): CUDA with Triton, ``q ≤ 16`` (in bit-exact
+        mode also the CPU under Triton's interpreter: tests)."""
+        return bool((x.is_cuda or self._bit_exact) and x.shape[1] <= self.COMPILED_WIDTHS
+                    and attention.available(x))
 
     def _forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -278,7 +340,10 @@ class StaticLM:
 
         # (Not on tensor-parallel ranks: their o/down projections all-reduce, flashspec.parallel.)
         fused = frozenset()
-        if use_kernel and batch * width <= _LINEAR_ROWS and getattr(self.model, "_flashspec_tp", None) is None:
+        exact = self._bit_exact and use_kernel  # SPEC.md §14: every map, the head too, any row count
+        if exact:
+            fused = frozenset(self.DECODE_MAPS)
+        elif use_kernel and batch * width <= _LINEAR_ROWS and getattr(self.model, "_flashspec_tp", None) is None:
             fused = self.decode_maps if batch * width == 1 else self.decode_maps_wide
 
         if first_layer and hidden_out is not None and first_layer in hidden_out:  # the features fed in
@@ -288,7 +353,7 @@ class StaticLM:
             attn, mlp = layer.self_attn, layer.mlp
             if "qkv" in fused:
                 norm = layer.input_layernorm
-                qkv = decode_linear(x, *self.qkv[i], norm_weight=norm.weight, eps=norm.variance_epsilon)
+                qkv = decode_linear(x, *self.qkv[i], norm_weight=norm.weight, eps=norm.variance_epsilon, exact=exact)
             else:
                 qkv = F.linear(layer.input_layernorm(x), *self.qkv[i])
             q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
@@ -303,31 +368,39 @@ class StaticLM:
                 q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
                 write_kv(self.keys[i], self.values[i], k, v.transpose(1, 2), slots)
             if use_kernel:
-                out = attention.decode_attention_heads(q, self.keys[i], self.values[i], positions, attn.scaling)
+                out = attention.decode_attention_heads(q, self.keys[i], self.values[i], positions, attn.scaling,
+                                                       exact=exact)
                 out = out.view(batch, width, heads * dim)
             else:
                 q = q.reshape(batch, kv_heads, groups * width, dim)
                 out = F.scaled_dot_product_attention(q, self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling)
                 out = out.reshape(batch, heads, width, dim).transpose(1, 2).reshape(batch, width, heads * dim)
             if "o" in fused:
-                x = decode_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=x)
+                x = decode_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=x, exact=exact)
             else:
                 x = x + attn.o_proj(out)
             if "gate_up" in fused:
                 norm = layer.post_attention_layernorm
-                h = decode_linear(x, *self.gate_up[i], norm_weight=norm.weight, eps=norm.variance_epsilon, gated=True)
+                h = decode_linear(x, *self.gate_up[i], norm_weight=norm.weight, eps=norm.variance_epsilon, gated=True,
+                                  exact=exact)
             else:
                 gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
                 h = mlp.act_fn(gate) * up
             if "down" in fused:
-                x = decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x)
+                x = decode_linear(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=x, exact=exact)
             else:
                 x = x + mlp.down_proj(h)
             if hidden_out is not None and i + 1 in hidden_out:  # the features after layer i, at their positions
                 _write_features(hidden_out[i + 1], positions, x)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        return self.model.lm_head(self.base.norm(x)) if head else x
+        if not head:
+            return x
+        if exact:  # the final norm and the output head as one more exact map (SPEC.md §14)
+            norm, lm_head = self.base.norm, self.model.lm_head
+            return decode_linear(x, lm_head.weight, lm_head.bias, norm_weight=norm.weight, eps=norm.variance_epsilon,
+                                 exact=True)
+        return self.model.lm_head(self.base.norm(x))
 
 
 def _write_features(buffer: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
@@ -349,20 +422,27 @@ def _norms_fusable(model: PreTrainedModel) -> bool:
     if getattr(model.config, "hidden_act", None) not in ("silu", "swish") or not _sixteen_bit(model):
         return False
     layer = model.model.layers[0]
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if not all(isinstance(getattr(n, "weight", None), torch.Tensor) and hasattr(n, "variance_epsilon")
-               and n.weight.dim() == 1 for n in norms):
+    return all(_folds_in(norm) for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+
+
+def _folds_in(norm: torch.nn.Module) -> bool:
+    """Whether ``norm`` computes exactly the RMSNorm ``decode_linear`` folds in (run on a random
+    input)."""
+    if not (isinstance(getattr(norm, "weight", None), torch.Tensor) and hasattr(norm, "variance_epsilon")
+            and norm.weight.dim() == 1):
         return False
     with torch.no_grad():
-        for norm in norms:
-            weight = norm.weight
-            x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0))
-            x = x.to(weight.device, weight.dtype)
-            xf = x.float()
-            expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(x.dtype)
-            if not torch.equal(norm(x), (weight.float() * expected.float()).to(x.dtype)):
-                return False
-    return True
+        weight = norm.weight
+        x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+        xf = x.float()
+        expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(x.dtype)
+        return bool(torch.equal(norm(x), (weight.float() * expected.float()).to(x.dtype)))
+
+
+def _final_norm_fusable(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s final norm computes the RMSNorm that ``decode_linear`` folds in and its
+    output head is a plain linear map (bit-exact mode computes them as one, SPEC.md §14)."""
+    return isinstance(model.lm_head, torch.nn.Linear) and _folds_in(model.model.norm)
 
 
 def _write_kv(

@@ -129,6 +129,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16 here (timed once)")
     p.add_argument("--no-calibration-cache", action="store_true",
                    help="time forwards and steps again even when cached timings match")
+    p.add_argument("--bit-exact", action="store_true",
+                   help="bit-exact mode: greedy output equal to target-only output token for token in bfloat16 "
+                        "too (SPEC.md §14; a CUDA GPU, Llama/Qwen2/Mistral targets)")
     p.add_argument("--repeats", type=int, default=None,
                    help="with a comparison: alternating speculative / target-only pairs; the speedup is their "
                         "median ratio (default 3: one pair is too noisy on a shared machine)")
@@ -295,10 +298,10 @@ def _load_pair(target: str, drafts: list[str], tokenizer: str | None, args: argp
     engine = SpeculativeEngine.calibrated(target, drafts, tokenizer=tokenizer, device=args.device,
                                           dtype=DTYPES[args.dtype] if args.dtype else None,
                                           gammas=None if gamma is None else [gamma],
-                                          use_cache=not args.no_calibration_cache)
+                                          use_cache=not args.no_calibration_cache, bit_exact=args.bit_exact)
     print(engine.choice.explain())
     print()
-    baseline = SpeculativeEngine(engine.target, [], tokenizer=engine.tokenizer)
+    baseline = SpeculativeEngine(engine.target, [], tokenizer=engine.tokenizer, bit_exact=args.bit_exact)
     return engine, baseline
 
 
@@ -320,6 +323,13 @@ def _sampling_options(args: argparse.Namespace) -> dict[str, Any]:
                          f"got {args.repeats}.")
     if args.num_draft_tokens is not None and not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"--num-draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}; got {args.num_draft_tokens}.")
+    if args.bit_exact:  # before minutes of calibration on a machine where the mode cannot run (SPEC.md §14)
+        from .kernels import shim
+        from .request import parse_device
+
+        if parse_device(args.device).type != "cuda" and not shim.interpreted():
+            raise ValueError("--bit-exact runs the Triton decode kernels: it needs a CUDA GPU with Triton "
+                             "(pip install 'flashspec[gpu]').")
     do_sample = args.temperature > 0
     SamplingParams(do_sample=do_sample, temperature=args.temperature if do_sample else 1.0,
                    top_k=args.top_k, top_p=args.top_p)  # a ValueError naming the bad value
@@ -372,7 +382,8 @@ def _complete(engine: Any, baseline: Any, prompt: str, args: argparse.Namespace)
         same = "different (sampling draws differ)"
     else:
         same = ("different: in reduced precision a (γ+1)-token forward can round a near-tie the other way "
-                "(SPEC.md §7; float32 output is token-for-token equal)")
+                "(SPEC.md §7; float32 output is token-for-token equal, and so is 16-bit output with --bit-exact, "
+                "§14)")
     print(f"speedup {speedup:.2f}x; outputs {same}")
 
 

@@ -82,6 +82,12 @@ class SpeculativeEngine:
             but in bfloat16 the logits may differ from the verify without reuse in the last bits
             (one-token forwards round differently from a ``(k+1)``-token one), so it is off by
             default. Needs a shallow drafter and one device (no tensor parallelism).
+        bit_exact: ``True`` — the target's decode forwards give a position bit-identical logits
+            whether they feed one token or ``γ + 1`` per sequence and whatever else the batch
+            holds (SPEC.md §14), so greedy output equals target-only greedy output token for
+            token in bfloat16 too, not only in float32. Llama, Qwen2 and Mistral targets in 16
+            bits on a CUDA GPU with Triton; elsewhere ``ValueError`` says why. Costs some speed
+            (BENCHMARKS.md), so it is off by default.
     """
 
     def __init__(
@@ -100,9 +106,12 @@ class SpeculativeEngine:
         dtype: torch.dtype | None = None,
         compile: bool = False,
         reuse_shallow: bool = False,
+        bit_exact: bool = False,
     ) -> None:
         if not isinstance(reuse_shallow, bool):
             raise ValueError(f"reuse_shallow must be True or False; got {reuse_shallow!r}.")
+        if not isinstance(bit_exact, bool):
+            raise ValueError(f"bit_exact must be True or False; got {bit_exact!r}.")
         self.reuse_shallow = reuse_shallow
         options = parse_engine_options(
             drafters=drafters, gammas=gammas, selector_options=selector_options, share_selector=share_selector,
@@ -114,6 +123,11 @@ class SpeculativeEngine:
         self._tp = tensor_parallel_of(self.target)
         self.vocab_size: int = self.target.config.vocab_size
         self._target_lm = make_lm(self.target, compile=self.compile)  # drafters made from the target use it
+        if bit_exact:
+            if not isinstance(self._target_lm, StaticLM):
+                raise ValueError(f"bit_exact=True needs a target of architecture {', '.join(StaticLM.ARCHITECTURES)}; "
+                                 f"this one is {self.target.config.model_type!r}.")
+            self._target_lm.bit_exact = True  # ValueError saying why where it cannot hold (SPEC.md §14)
         self.drafters: list[Drafter] = [self._as_drafter(d, options.dtype) for d in options.drafters]
         names: set[str] = set()
         for i, d in enumerate(self.drafters):  # statistics are kept by name: make names unique
@@ -193,6 +207,11 @@ class SpeculativeEngine:
 
     # What :meth:`calibrated` chose, or None for an engine configured by hand.
     choice: Any = None
+
+    @property
+    def bit_exact(self) -> bool:
+        """Whether the target's decode forwards run in bit-exact mode (SPEC.md §14)."""
+        return isinstance(self._target_lm, StaticLM) and self._target_lm.bit_exact
 
     @property
     def target_only_arm(self) -> int | None:

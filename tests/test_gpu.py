@@ -510,3 +510,83 @@ def test_calibration_on_cuda_times_graph_replays_and_reuses_its_cache(tmp_path, 
     monkeypatch.setattr(timing, "forward_seconds", lambda *a, **k: pytest.fail("timed again"))
     again, _ = calibrate.measure(lm, 4, context=32, progress=False)
     assert again.seconds == curve.seconds[:4]
+
+
+# ----------------------------------------------------------------------------------------------
+# Bit-exact mode (SPEC.md §14, issue 22), natively: the kernels' real tiles, autotuned configs,
+# CUDA graphs and torch.compile.
+# ----------------------------------------------------------------------------------------------
+
+def real_shape(arch: str, layers: int = 2, vocab: int | None = None):
+    """A random-weight bf16 model of a real model's shape, with few layers: Qwen2.5-1.5B (q/k/v
+    biases, tied embeddings) or Llama-3-8B."""
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(vocab_size=vocab or 151936, hidden_size=1536, intermediate_size=8960,
+                                          num_hidden_layers=layers, num_attention_heads=12, num_key_value_heads=2,
+                                          max_position_embeddings=4096, tie_word_embeddings=True)
+    else:
+        config = transformers.LlamaConfig(vocab_size=vocab or 128256, hidden_size=4096, intermediate_size=14336,
+                                          num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                                          max_position_embeddings=4096, rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bit_exact_logits_do_not_depend_on_width_or_batch_on_cuda(arch, compiled):
+    """Real shapes, natively: a 5-token forward and five 1-token forwards give bit-identical
+    logits and caches; a sequence of a ragged batch of 8 decodes to the same bits alone. Without
+    the mode the same comparison differs (so the check can fail)."""
+    model = real_shape(arch)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 1000, (8, 40), generator=gen).cuda()
+    feed = torch.randint(0, 1000, (8, 5), generator=gen).cuda()
+    start = torch.tensor([40, 33, 7, 21, 40, 1, 38, 12], device="cuda")
+
+    def lm_for(batch, exact=True):
+        lm = StaticLM(model, compile=compiled and exact)
+        lm.bit_exact = exact
+        lm.reset(batch, 256)
+        return lm
+
+    wide, narrow, default_wide, default_narrow = lm_for(8), lm_for(8), lm_for(8, False), lm_for(8, False)
+    wide.forward(prompt, torch.zeros(8, dtype=torch.long, device="cuda"), eager=True)
+    for lm in (narrow, default_wide, default_narrow):
+        for mine, theirs in zip(lm.keys + lm.values, wide.keys + wide.values):
+            mine.copy_(theirs)
+    alone = lm_for(1)
+    for mine, theirs in zip(alone.keys + alone.values, wide.keys + wide.values):
+        mine.copy_(theirs[2:3])
+    logits = wide.forward(feed, start).clone()
+    steps = torch.cat([narrow.forward(feed[:, j:j + 1], start + j).clone() for j in range(5)], dim=1)
+    assert torch.equal(steps, logits)
+    for mine, theirs in zip(narrow.keys + narrow.values, wide.keys + wide.values):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(alone.forward(feed[2:3], start[2:3])[0], logits[2])
+    default = default_wide.forward(feed, start)
+    default_steps = torch.cat([default_narrow.forward(feed[:, j:j + 1], start + j) for j in range(5)], dim=1)
+    assert not torch.equal(default, default_steps)  # what the mode removes
+    torch.testing.assert_close(logits.float(), default.float(), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "feature"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bit_exact_greedy_speculative_equals_target_only_on_cuda(drafter, compiled):
+    """A random-weight target of Qwen2.5-1.5B's shape (flat logits: near-ties everywhere, so any
+    difference of rounding shows): in bit-exact mode greedy speculative output equals target-only
+    output token for token, at batch 1 and in a ragged batch, with graphs and, compiled or not."""
+    target = real_shape("qwen2")
+    drafters = {"model": lambda: [real_shape("qwen2", layers=1)], "ngram": lambda: ["ngram"],
+                "feature": lambda: [f"feature:{feature_checkpoint(target)}"]}[drafter]()
+    prompts = [[int(t) for t in torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (60, 9, 31)]
+    base = SpeculativeEngine(target, [], bit_exact=True, compile=compiled)
+    engine = SpeculativeEngine(target, drafters, selector="fixed", bit_exact=True, compile=compiled)
+    for batch in ([prompts[0]], prompts):
+        expected = base.generate(batch, max_new_tokens=48, eos_token_id=[]).sequences
+        out = engine.generate(batch, max_new_tokens=48, num_draft_tokens=4, eos_token_id=[])
+        assert out.sequences == expected, (drafter, len(batch))

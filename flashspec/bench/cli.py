@@ -128,7 +128,8 @@ def _e2e_parser(sub: Any) -> None:
     p.add_argument("--batch-sizes", default="1", help="comma-separated")
     p.add_argument("--systems", default=None,
                    help="comma-separated subset of: hf, hf-static, hf-assisted, hf-lookup, flashspec, "
-                        "flashspec-fixed, flashspec-bandit, flashspec-auto (default all)")
+                        "flashspec-fixed, flashspec-bandit, flashspec-auto (default: these), flashspec-exact, "
+                        "flashspec-fixed-exact (bit-exact mode, SPEC.md §14: a CUDA GPU; named only)")
     p.add_argument("--hf-prompts-per-domain", type=int, default=None,
                    help="run transformers' systems on only the first N batches of each domain (they are "
                         "10-40x slower on a GPU); paired ratios use the batches both ran. Default: all")
@@ -392,7 +393,7 @@ def bench_e2e(args: argparse.Namespace) -> None:
             print(f"wrote {path}")
         return
     regimes = e2e.parse_regimes(args.regimes)
-    options = dict(systems=_names(args.systems) if args.systems else e2e.FAMILY_NAMES,
+    options = dict(systems=_names(args.systems) if args.systems else e2e.DEFAULT_FAMILIES,
                    batch_sizes=e2e.parse_ints(args.batch_sizes, "--batch-sizes"),
                    gammas=e2e.parse_ints(args.gammas, "--gammas"), temperature=args.temperature,
                    hf_prompts_per_domain=args.hf_prompts_per_domain,

@@ -377,6 +377,19 @@ def _flashspec_fixed(s: Setup) -> list[System]:
     ]
 
 
+def _flashspec_exact(s: Setup) -> list[System]:
+    return [FlashSpecSystem("flashspec exact", "flashspec-exact", [s.target], engine=s.engine([], bit_exact=True))]
+
+
+def _flashspec_fixed_exact(s: Setup) -> list[System]:
+    return [
+        FlashSpecSystem(f"flashspec exact {n}@{g}", "flashspec-fixed-exact",
+                        [s.target] + ([d] if _is_model(d) else []), drafter=n, gamma=g,
+                        engine=s.engine([n], gammas=[g], bit_exact=True))
+        for n, d in s.drafters.items() for g in s.gammas
+    ]
+
+
 def _flashspec_bandit(s: Setup) -> list[System]:
     options = {"seed": s.seed}
     engine = s.engine(list(s.drafters), gammas=s.gammas, selector=BANDIT_SELECTOR, selector_options=options)
@@ -416,6 +429,8 @@ class Family:
     description: str
     build: Callable[[Setup], list[System]]
     needs_drafter: bool = False
+    default: bool = True  # run when no systems are named (bit-exact mode needs a GPU: named only)
+
 
 
 FAMILIES = [
@@ -434,8 +449,14 @@ FAMILIES = [
     Family("flashspec-auto", "FlashSpec's default configuration: selector 'auto' (Thompson over all drafters × γ "
            "and the target-only arm, behind the never-slower guard, SPEC §8), one state per domain, fresh for "
            "each regime × batch cell", _flashspec_auto, needs_drafter=True),
+    Family("flashspec-exact", "FlashSpec, target only, bit-exact mode (SPEC §14); named only", _flashspec_exact,
+           default=False),
+    Family("flashspec-fixed-exact", "FlashSpec with one fixed (drafter, γ) arm, bit-exact mode (SPEC §14), for every "
+           "drafter × γ; greedy outputs checked against `flashspec exact`; named only", _flashspec_fixed_exact,
+           needs_drafter=True, default=False),
 ]
 FAMILY_NAMES = [f.name for f in FAMILIES]
+DEFAULT_FAMILIES = [f.name for f in FAMILIES if f.default]
 
 
 # ----------------------------------------------------------------------------- options and prompts
@@ -686,7 +707,7 @@ def run(
     batches both systems ran. ``auto_slacks``: the guard's δ of each flashspec-auto system, one
     system each (None: the engine's default; default: that one system); ``auto_selectors``: the
     selector behind the guard, one system per (selector, δ) (None: auto's own)."""
-    systems = list(FAMILY_NAMES if systems is None else systems)
+    systems = list(DEFAULT_FAMILIES if systems is None else systems)
     batch_sizes, gammas = list(batch_sizes), list(gammas)
     counts = {len(ps) for by_domain in prompts.values() for ps in by_domain.values()}
     check_options(systems=systems, batch_sizes=batch_sizes, gammas=gammas, prompts_per_domain=min(counts),
@@ -929,27 +950,31 @@ def _add_step_cost_predictions(rows: list[dict[str, Any]]) -> None:
 
 def _greedy_check(calls: list[dict[str, Any]]) -> dict[str, Any]:
     """Every system's greedy outputs against the reference system's (FlashSpec target-only,
-    else transformers', else the first system that ran), prompt by prompt."""
+    else transformers', else the first system that ran), prompt by prompt; bit-exact systems
+    against FlashSpec target-only in bit-exact mode, when it ran (SPEC.md §14: equal by design)."""
     names = list(dict.fromkeys(c["system"] for c in calls))
     reference = next((n for n in ("flashspec", "hf") if n in names), names[0])
-    ref = {(c["domain"], c["group"]): c["sequences"] for c in calls if c["system"] == reference}
-    report: dict[str, Any] = {"reference": reference, "systems": {}}
+    exact = "flashspec exact" if "flashspec exact" in names else None
+    outputs = {(c["system"], c["domain"], c["group"]): c["sequences"] for c in calls}
+    report: dict[str, Any] = {"reference": reference, "exact_reference": exact, "systems": {}}
     for name in names:
+        against = exact if exact and name.startswith("flashspec exact ") else reference
         if name == reference:
             continue
         compared, differing = 0, []
         for c in calls:
-            if c["system"] != name or (c["domain"], c["group"]) not in ref:
+            key = (against, c["domain"], c["group"])
+            if c["system"] != name or key not in outputs:
                 continue
-            for row, (ours, theirs) in enumerate(zip(c["sequences"], ref[(c["domain"], c["group"])])):
+            for row, (ours, theirs) in enumerate(zip(c["sequences"], outputs[key])):
                 compared += 1
                 if ours != theirs:
                     common = min(len(ours), len(theirs))
                     first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), common)
                     differing.append({"domain": c["domain"], "prompt": c["prompts"][row], "first_difference": first})
         if compared:
-            report["systems"][name] = {"compared": compared, "identical": compared - len(differing),
-                                       "differing": differing}
+            report["systems"][name] = {"reference": against, "compared": compared,
+                                       "identical": compared - len(differing), "differing": differing}
     return report
 
 
@@ -1119,7 +1144,9 @@ def _cell_lines(results: dict[str, Any], cell: dict[str, Any]) -> list[str]:
     if greedy:
         parts = []
         for name, g in greedy["systems"].items():
-            text = f"{name} {g['identical']}/{g['compared']}"
+            against = g.get("reference", greedy["reference"])
+            text = f"{name} {g['identical']}/{g['compared']}" + (f" (against `{against}`)"
+                                                                 if against != greedy["reference"] else "")
             if g["differing"]:
                 text += " (differ: " + ", ".join(f"{d['domain']} #{d['prompt']} from token {d['first_difference']}"
                                                  for d in g["differing"][:5])

@@ -39,6 +39,15 @@ that ``R·S ≈ 2 × SMs`` programs run; ``S ≤ C / BLOCK_N``.
 When one split suffices (``S = 1``: large batches, or ``C ≤ BLOCK_N``) kernel 1 normalises and writes
 the output itself and kernel 2 is not launched.
 
+Bit-exact mode (``exact=True``, SPEC.md §14): ``BLOCK_M = 16`` and ``S`` (so the split size) chosen
+from ``C`` and the SM count alone, as for one row block, never from ``B`` or ``M``. A query row
+then meets the same key tiles, the same splits and the same fold whatever else the call
+computes: ``tl.dot`` gives each row the same accumulation whichever rows share its tile, and a
+key tile past a row's position (walked because another row of the block needs it) adds exact
+zeros (``p = 2^(−∞) = 0``, rescale ``2^0 = 1``). So a token's attention output is bit-identical in
+a 1-token forward, in a ``γ+1``-token one and beside other sequences (more programs than needed
+for large batches: the price).
+
 Memory traffic (per layer; ``L = max pos + 1`` of each sequence, ``b`` bytes per element)
 --------------------------------------------------------------------------------------------
 * Keys and values: ``2·B·H_kv·L·D·b`` — each needed key and value is read exactly **once** per
@@ -154,11 +163,12 @@ def _target_programs(device: torch.device) -> int:
     return 8  # interpreter: few programs keep CPU tests fast; any value is correct
 
 
-def _tiles(rows: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps)`` of kernel 1 for ``rows = M`` query rows."""
+def _tiles(rows: int, dtype: torch.dtype, exact: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of kernel 1 for ``rows = M`` query rows (bit-exact mode:
+    16 rows whatever ``M`` is)."""
     if dtype == torch.float32:
         return MAX_BLOCK_M_FP32, BLOCK_N_FP32, 8
-    block_m = max(16, min(MAX_BLOCK_M, next_pow2(rows)))
+    block_m = 16 if exact else max(16, min(MAX_BLOCK_M, next_pow2(rows)))
     return block_m, BLOCK_N, 8 if block_m >= 64 else 4
 
 
@@ -210,20 +220,23 @@ def _launch(
     q_strides: tuple[int, int, int],
     o_strides: tuple[int, int, int],
     num_splits: int | None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """Shared launcher. Query row ``m`` of key head ``kv`` is query head ``kv·groups + m // width``
     at token ``j = m % width``; its address is ``b·q_sb + head·q_sh + j·q_st`` (the output's
-    likewise with ``o_strides``) and its position ``positions[b, j]``."""
+    likewise with ``o_strides``) and its position ``positions[b, j]``. ``exact``: bit-exact mode
+    (module docstring), the tiles and the key-axis splits chosen from the capacity alone."""
     batch, kv_heads, capacity, dim = keys.shape
     rows = groups * width
     if batch == 0 or rows == 0:
         return out
     if positions.dtype != torch.int64:
         positions = positions.to(torch.int64)
-    block_m, block_n, warps = _tiles(rows, query.dtype)
+    block_m, block_n, warps = _tiles(rows, query.dtype, exact)
     m_blocks = -(-rows // block_m)
     block_d = max(16, next_pow2(dim))
-    splits, split_keys = plan_splits(batch * kv_heads * m_blocks, capacity, keys.device, num_splits, block_n)
+    row_blocks = 1 if exact else batch * kv_heads * m_blocks  # bit-exact: splits from the capacity alone
+    splits, split_keys = plan_splits(row_blocks, capacity, keys.device, num_splits, block_n)
     split = splits > 1
     interpreted = not query.is_cuda
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
@@ -262,7 +275,7 @@ def _launch(
 
 def _folded(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor, scale: float,
-    num_splits: int | None = None,
+    num_splits: int | None = None, exact: bool = False,
 ) -> torch.Tensor:
     _check(query, keys, values)
     batch, kv_heads, rows, dim = query.shape
@@ -277,13 +290,13 @@ def _folded(
         query, keys, values, query_positions, scale, out, 1, rows,
         (query.stride(0), query.stride(1), query.stride(2)),
         (out.stride(0), out.stride(1), out.stride(2)),
-        num_splits,
+        num_splits, exact,
     )
 
 
 def _heads(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float,
-    num_splits: int | None = None,
+    num_splits: int | None = None, exact: bool = False,
 ) -> torch.Tensor:
     _check(query, keys, values)
     batch, heads, width, dim = query.shape
@@ -299,7 +312,7 @@ def _heads(
         query, keys, values, positions, scale, out, heads // kv_heads, width,
         (query.stride(0), query.stride(1), query.stride(2)),
         (out.stride(0), out.stride(2), out.stride(1)),
-        num_splits,
+        num_splits, exact,
     )
 
 
@@ -316,18 +329,21 @@ def decode_attention(
     scale: float,
     *,
     num_splits: int | None = None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """Attention of ``query [B, H_kv, M, D]`` (any strides, unit stride along ``D``) over
     ``keys/values [B, H_kv, C, D]``: row ``m`` of sequence ``b`` sees key positions
     ``0..query_positions[b, m]`` (``[B, M]`` integers in ``[0, C)``). Returns a new contiguous
     ``[B, H_kv, M, D]`` tensor in ``query``'s dtype, equal to :func:`decode_attention_reference`
-    up to float rounding. ``num_splits`` forces the key-axis split count (tests).
+    up to float rounding. ``num_splits`` forces the key-axis split count (tests). ``exact``: each
+    row's output bit-identical whatever the other rows and sequences of the call are (bit-exact
+    mode, module docstring).
 
     Under ``torch.compile`` it goes through the opaque custom op
     ``torch.ops.flashspec.decode_attention`` (no graph break)."""
     if num_splits is None and _compiling() and _OPS:
-        return torch.ops.flashspec.decode_attention(query, keys, values, query_positions, float(scale))
-    return _folded(query, keys, values, query_positions, scale, num_splits)
+        return torch.ops.flashspec.decode_attention(query, keys, values, query_positions, float(scale), bool(exact))
+    return _folded(query, keys, values, query_positions, scale, num_splits, exact)
 
 
 def decode_attention_heads(
@@ -338,31 +354,33 @@ def decode_attention_heads(
     scale: float,
     *,
     num_splits: int | None = None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """The same attention with the query heads unfolded, as StaticLM holds them: ``query [B, H,
     q, D]`` — any strides with a unit one along ``D``, e.g. the ``transpose(1, 2)`` of a ``[B, q, H,
     D]`` tensor, no copy — where head ``h`` uses key head ``h // (H / H_kv)``, and ``positions [B,
     q]`` (token ``j`` sees ``0..positions[b, j]``). Returns a new contiguous ``[B, q, H, D]``
-    tensor, so ``out.view(B, q, H·D)`` feeds ``o_proj`` without a transpose copy.
+    tensor, so ``out.view(B, q, H·D)`` feeds ``o_proj`` without a transpose copy. ``exact`` as for
+    :func:`decode_attention`: token ``j``'s output is the same whatever ``q`` and ``B`` are.
 
     Under ``torch.compile`` it goes through the opaque custom op
     ``torch.ops.flashspec.decode_attention_heads`` (no graph break)."""
     if num_splits is None and _compiling() and _OPS:
-        return torch.ops.flashspec.decode_attention_heads(query, keys, values, positions, float(scale))
-    return _heads(query, keys, values, positions, scale, num_splits)
+        return torch.ops.flashspec.decode_attention_heads(query, keys, values, positions, float(scale), bool(exact))
+    return _heads(query, keys, values, positions, scale, num_splits, exact)
 
 
 def _register_ops() -> bool:
     """Register the two custom ops (once per process, even if this module is loaded twice)."""
     if not hasattr(torch.library, "custom_op"):  # pragma: no cover - torch < 2.4
         return False
-    schema = "(Tensor query, Tensor keys, Tensor values, Tensor positions, float scale) -> Tensor"
+    schema = "(Tensor query, Tensor keys, Tensor values, Tensor positions, float scale, bool exact=False) -> Tensor"
     namespace = torch.ops.flashspec
 
-    def fake_folded(query, keys, values, positions, scale):
+    def fake_folded(query, keys, values, positions, scale, exact=False):
         return query.new_empty(query.shape)
 
-    def fake_heads(query, keys, values, positions, scale):
+    def fake_heads(query, keys, values, positions, scale, exact=False):
         batch, heads, width, dim = query.shape
         return query.new_empty((batch, width, heads, dim))
 
@@ -371,8 +389,8 @@ def _register_ops() -> bool:
         if hasattr(namespace, name):
             continue
 
-        def run(query, keys, values, positions, scale, _impl=impl):
-            return _impl(query, keys, values, positions, scale)
+        def run(query, keys, values, positions, scale, exact=False, _impl=impl):
+            return _impl(query, keys, values, positions, scale, exact=exact)
 
         op = torch.library.custom_op(f"flashspec::{name}", run, mutates_args=(), schema=schema)
         op.register_fake(fake)

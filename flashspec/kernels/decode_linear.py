@@ -50,6 +50,14 @@ in a wider call, as cuBLAS's kernels for different ``M`` do: 1-token and ``γ+1`
 can differ in the last bit (SPEC.md §7 says what "exact" means in bf16). Without autotuning (small
 matrices, the interpreter) one fixed configuration serves every ``M``, and every row count agrees.
 
+**Bit-exact mode** (``exact=True``, SPEC.md §14). Every call runs the tensor-core inner product,
+one or many 16-row tiles (a second grid axis over them, so ``M`` is not capped at 16), with one
+tile configuration per ``(N, K)`` and options for every ``M`` (its own autotuning class, 3). Row
+``m``'s result is then computed by the same instructions whatever ``M`` is and wherever ``m``
+falls in its tile — ``tl.dot``'s per-element accumulation does not depend on the tile's other
+rows, and the RMSNorm of the rows is a per-row sum over the same ``[16, BLOCK_K]`` tiles — so a
+token's outputs are bit-identical in a 1-row forward and in a wider one.
+
 Grid and traffic: ``ceil(N / BLOCK_N)`` programs; each reads its ``BLOCK_N`` weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows from L2. Weights
 are read exactly once per call: ``N·K·b`` bytes (``2·N·K·b`` gated), the floor. No atomics, no
 split-K: results are deterministic. On CUDA the tile sizes of matrices of at least 2²⁰ elements
@@ -70,6 +78,8 @@ MAX_ROWS = 16  # token rows per call: one row tile; larger forwards belong to cu
 _TUNED_SIZE = 1 << 20  # weights of at least this many elements get their tiles autotuned on CUDA
 # The configuration of smaller matrices and of the interpreter (tests switch USE_DOT to cover both).
 _FIXED = {"USE_DOT": False, "BLOCK_N": 4, "BLOCK_K": 32}
+_FIXED_EXACT = {"USE_DOT": True, "BLOCK_N": 16, "BLOCK_K": 32}  # bit-exact mode: tensor-core tiles only
+ROW_TILE = 16  # rows per tensor-core tile
 
 
 def available(x: torch.Tensor) -> bool:
@@ -107,14 +117,14 @@ def decode_linear_reference(
     return y
 
 
-def _check(x, weight, bias, norm_weight, residual, gated) -> None:
+def _check(x, weight, bias, norm_weight, residual, gated, exact=False) -> None:
     shim.require("decode_linear", x)
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"decode_linear runs 16-bit activations (bfloat16 or float16), got {x.dtype}")
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} must be [..., K] for a weight [N, K], got weight {tuple(weight.shape)}")
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows > MAX_ROWS:
+    if rows > MAX_ROWS and not exact:
         raise ValueError(f"decode_linear takes at most {MAX_ROWS} token rows per call, got {rows}; "
                          "use torch.nn.functional.linear for larger forwards")
     if gated and weight.shape[0] % 2:
@@ -143,8 +153,9 @@ def _launch(
     residual: torch.Tensor | None,
     eps: float,
     gated: bool,
+    exact: bool = False,
 ) -> torch.Tensor:
-    _check(x, weight, bias, norm_weight, residual, gated)
+    _check(x, weight, bias, norm_weight, residual, gated, exact)
     k = x.shape[-1]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     rows = x.reshape(-1, k).contiguous()
@@ -157,21 +168,26 @@ def _launch(
     bias = bias.contiguous() if bias is not None else None
     norm_weight = norm_weight.contiguous() if norm_weight is not None else None
     args = (rows, weight, bias if bias is not None else out, norm_weight if norm_weight is not None else rows,
-            res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0), _row_class(m))
+            res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0), _row_class(m, exact))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
                  GATED=bool(gated), UPCAST=not x.is_cuda, PDL=pdl.enabled(x.device), **pdl.launch_options(x.device))
+    row_tiles = triton.cdiv(m, ROW_TILE) if exact else 1  # [programs over N, over row tiles]
     if x.is_cuda and n * k >= _TUNED_SIZE:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), row_tiles)  # noqa: E731
         _tuned[grid](*args, **flags)
     else:  # small matrices (tests) and the interpreter: one fixed configuration
-        config = dict(_FIXED, BLOCK_K=256 if x.is_cuda else _FIXED["BLOCK_K"])
-        _decode_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
+        config = dict(_FIXED_EXACT if exact else _FIXED)
+        config["BLOCK_K"] = 256 if x.is_cuda else config["BLOCK_K"]
+        _decode_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]), row_tiles)](*args, **flags, **config)
     return out.view(*x.shape[:-1], n)
 
 
-def _row_class(rows: int) -> int:
+def _row_class(rows: int, exact: bool = False) -> int:
     """The autotuner's row class: 1 for one token row (CUDA-core tiles), 2 for 2 to 16 rows
-    (tensor-core tiles)."""
+    (tensor-core tiles), 3 for any number of rows in bit-exact mode (tensor-core tiles, one
+    configuration for every row count)."""
+    if exact:
+        return 3
     return 1 if rows == 1 else 2
 
 
@@ -183,18 +199,21 @@ def decode_linear(
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
     gated: bool = False,
+    exact: bool = False,
 ) -> torch.Tensor:
     """``y = x' @ weight.T + bias`` for ``x [..., K]`` with at most :data:`MAX_ROWS` rows, where
     ``x' = rms_norm(x) · norm_weight`` if ``norm_weight [K]`` is given, else ``x``. With ``gated``
     the weight is ``[gate; up]`` (``[2N, K]``) and the result ``silu(gate) · up`` (``[..., N]``);
     with ``residual [..., N]`` the result is ``residual + y``. 16-bit tensors of one dtype; the
-    weight may be a row slice of a larger matrix (unit stride along ``K``).
+    weight may be a row slice of a larger matrix (unit stride along ``K``). With ``exact`` (any
+    number of rows) every row's result is bit-identical whatever the number of rows is
+    (bit-exact mode, module docstring).
 
     Under ``torch.compile`` it is the opaque custom op ``flashspec::decode_linear``."""
-    return _OP(x, weight, bias, norm_weight, residual, float(eps), bool(gated))
+    return _OP(x, weight, bias, norm_weight, residual, float(eps), bool(gated), bool(exact))
 
 
-def _fake(x, weight, bias, norm_weight, residual, eps, gated):
+def _fake(x, weight, bias, norm_weight, residual, eps, gated, exact=False):
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     return x.new_empty((*x.shape[:-1], n))
 
@@ -282,7 +301,8 @@ if triton is not None:
         USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """Program ``i``: output columns ``i·BLOCK_N ..`` of every row (``M ≤ 16``). ``row_class``
+        """Program ``(i, t)``: output columns ``i·BLOCK_N ..`` of every row (``M ≤ 16``, ``t = 0``), or
+        of the rows ``16·t ..`` (bit-exact mode, tensor-core tiles). ``row_class``
         (:func:`_row_class`) is read by the autotuner only. With ``PDL`` (:mod:`flashspec.kernels.pdl`)
         it waits for the previous kernel before reading or writing anything."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -291,8 +311,8 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        if USE_DOT:  # all rows at once: one 16-row tile
-            rm = tl.arange(0, 16)
+        if USE_DOT:  # a 16-row tile: every row (bit-exact mode: the tile of program_id(1))
+            rm = tl.program_id(1) * 16 + tl.arange(0, 16)
             m_live = rm < M
             rstd = tl.zeros([16], dtype=tl.float32)
             if NORM:
@@ -348,7 +368,7 @@ if triton is not None:
     def _prune(configs, named_args, **kwargs):
         """The inner product of the row class (CUDA cores for one row, tensor cores for several),
         tiles no wider than the matrix (the narrowest one kept for small N)."""
-        use_dot = named_args["row_class"] != 1
+        use_dot = named_args["row_class"] != 1  # 2: several rows; 3: bit-exact mode
         n = named_args["N"]
         kind = [c for c in configs if c.kwargs["USE_DOT"] == use_dot]
         kept = [c for c in kind if c.kwargs["BLOCK_N"] <= max(n, 16)]

@@ -228,6 +228,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode forwards (warmed up at start)")
+    p.add_argument("--bit-exact", action="store_true",
+                   help="bit-exact mode: a request's logits do not depend on its batch or the draft length "
+                        "(SPEC.md §14; a CUDA GPU, Llama/Qwen2/Mistral targets)")
     p.set_defaults(run=_run)
     return p
 
@@ -250,7 +253,7 @@ def _run(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     load_cuda_modules_eagerly()
     engine = SpeculativeEngine(args.target, args.draft, selector=args.selector, tokenizer=args.tokenizer,
-                               device=args.device, dtype=args.dtype, compile=args.compile)
+                               device=args.device, dtype=args.dtype, compile=args.compile, bit_exact=args.bit_exact)
     scheduler, app = build(engine, model_name=args.model_name or str(args.target).rstrip("/").split("/")[-1],
                            slots=args.max_batch, max_length=args.max_length, max_queue=args.max_queue,
                            max_prefill_tokens=args.max_prefill_tokens, num_draft_tokens=args.num_draft_tokens)

@@ -498,3 +498,26 @@ def test_the_default_configuration_runs_with_several_selectors_side_by_side(corp
         with pytest.raises(ValueError, match=words):
             bench_e2e.check_options(systems=["flashspec-auto"], batch_sizes=[1], gammas=[2], prompts_per_domain=1,
                                     temperature=0.0, regimes=regimes, auto_selectors=bad)
+
+
+def test_bit_exact_systems_are_checked_against_bit_exact_target_only(corpus):
+    """``--systems flashspec,flashspec-exact,flashspec-fixed-exact`` (SPEC.md §14; on a CPU through
+    Triton's interpreter): each bit-exact fixed arm's greedy outputs are compared with the
+    bit-exact target-only system's, and equal them in bf16; bit-exact target-only is compared with
+    the default kernels' target-only; not run unless named."""
+    pytest.importorskip("triton")
+    assert "flashspec-exact" not in bench_e2e.DEFAULT_FAMILIES
+    target = tiny_model("llama", seed=0).to(torch.bfloat16)
+    drafter = noisy_copy(tiny_model("llama", seed=0), 0.05, seed=1).to(torch.bfloat16)
+    regimes = {"short": Regime(8, 8, 6)}
+    prompts = make_prompts(regimes, 2, tokenizer=CharTokenizer(), corpus=corpus)
+    results = bench_e2e.run(target, {"tiny": drafter, "ngram": "ngram"}, prompts, regimes, batch_sizes=[2],
+                            gammas=[3], systems=["flashspec", "flashspec-exact", "flashspec-fixed-exact"],
+                            progress=False)
+    check = results["cells"][0]["greedy"]
+    assert check["exact_reference"] == "flashspec exact"
+    assert check["systems"]["flashspec exact"]["reference"] == "flashspec"
+    for name in ("flashspec exact tiny@3", "flashspec exact ngram@3"):
+        g = check["systems"][name]
+        assert g["reference"] == "flashspec exact" and g["differing"] == [] and g["compared"] == 2 * len(DOMAINS)
+    assert "(against `flashspec exact`)" in bench_e2e.summarize(results)

@@ -179,6 +179,43 @@ def test_heads_layout_as_static_lm(dtype):
         assert _rel_err(out, ref) < TOLERANCE[dtype]
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 3), width=st.integers(1, 6), groups=st.sampled_from([1, 3]), data=st.data())
+def test_exact_mode_token_outputs_do_not_depend_on_the_call(batch, width, groups, data):
+    """Bit-exact mode (SPEC.md §14): token ``j``'s output is the same bits whether the call feeds
+    one token or ``width`` per sequence, and whether its sequence is alone or beside others (the
+    1-token forward, the verify forward and a batch agree); and it matches the reference."""
+    kv_heads, dim, capacity = 2, 32, 256
+    heads = kv_heads * groups
+    start = data.draw(st.lists(st.integers(0, capacity - width), min_size=batch, max_size=batch), label="start")
+    positions = (torch.tensor(start)[:, None] + torch.arange(width)).to(DEVICE)
+    gen = torch.Generator().manual_seed(batch * 100 + width * 10 + groups)
+    query = torch.randn(batch, width, heads, dim, generator=gen).to(DEVICE, torch.bfloat16).transpose(1, 2)
+    keys = torch.randn(batch, kv_heads, capacity, dim, generator=gen).to(DEVICE, torch.bfloat16)
+    values = torch.randn(batch, kv_heads, capacity, dim, generator=gen).to(DEVICE, torch.bfloat16)
+    full = decode_attention_heads(query, keys, values, positions, dim ** -0.5, exact=True)  # [B, q, H, D]
+    folded = query.reshape(batch, kv_heads, groups * width, dim)
+    query_positions = positions[:, None, :].expand(batch, groups, width).reshape(batch, groups * width)
+    ref = decode_attention_reference(folded, keys, values, query_positions, dim ** -0.5)
+    assert _rel_err(full, ref.reshape(batch, heads, width, dim).transpose(1, 2)) < TOLERANCE[torch.bfloat16]
+    j = data.draw(st.integers(0, width - 1), label="token")
+    one = decode_attention_heads(query[:, :, j:j + 1], keys, values, positions[:, j:j + 1], dim ** -0.5, exact=True)
+    assert torch.equal(one[:, 0], full[:, j])
+    b = data.draw(st.integers(0, batch - 1), label="sequence")
+    alone = decode_attention_heads(query[b:b + 1], keys[b:b + 1], values[b:b + 1], positions[b:b + 1], dim ** -0.5,
+                                   exact=True)
+    assert torch.equal(alone[0], full[b])
+
+
+def test_exact_mode_tiles_and_splits_come_from_the_capacity_alone():
+    """In bit-exact mode the row tile is 16 whatever the number of query rows, and the key-axis
+    split is the one of a single row block, whatever the batch."""
+    assert attention._tiles(1, torch.bfloat16, exact=True)[0] == attention._tiles(48, torch.bfloat16, exact=True)[0] == 16
+    assert attention._tiles(48, torch.bfloat16)[0] == 64  # the default widens it
+    device = torch.device("cpu")
+    assert plan_splits(1, 768, device) != plan_splits(32, 768, device)  # the default: from the row blocks
+
+
 def test_torch_compile_fullgraph():
     """Under torch.compile the call is one opaque custom op: no graph break, same values."""
     problem = _problem(2, 2, 6, 32, 256, torch.float32, seed=10)

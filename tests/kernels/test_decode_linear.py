@@ -98,6 +98,38 @@ def test_batch_invariance(gated, variant):
         assert torch.equal(decode_linear(**part), full[:rows])
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 3 * MAX_ROWS + 3), n=st.integers(1, 40), k=st.integers(1, 70),
+       flags=st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()),
+       seed=st.integers(0, 2 ** 16))
+def test_exact_mode_any_row_count_is_row_invariant(rows, n, k, flags, seed):
+    """Bit-exact mode (SPEC.md §14): any number of rows (past 16: several row tiles), and every
+    row's result bit-identical to the same row computed alone and within a prefix of the rows —
+    the 1-token forward, a verify forward and a batch of them agree on every map — and close to
+    the reference."""
+    norm, bias, residual, gated = flags
+    problem = _problem(rows, n, k, torch.bfloat16, norm, bias, residual, gated, seed)
+    full = decode_linear(**problem, exact=True)
+    _assert_close(full, decode_linear_reference(**problem), problem)
+    cut = max(1, rows // 2)
+    part = dict(problem, x=problem["x"][:cut], residual=None if residual is False else problem["residual"][:cut])
+    assert torch.equal(decode_linear(**part, exact=True), full[:cut])
+    last = rows - 1
+    alone = dict(problem, x=problem["x"][last:], residual=None if residual is False else problem["residual"][last:])
+    assert torch.equal(decode_linear(**alone, exact=True), full[last:])
+
+
+def test_exact_mode_runs_tensor_core_tiles_for_one_row_too(monkeypatch):
+    """In bit-exact mode a 1-row call runs the tensor-core product of several-row calls (its own
+    autotuning class, one tile for every row count), where the default runs CUDA cores."""
+    import flashspec.kernels.decode_linear as module
+
+    assert module._row_class(1, exact=True) == module._row_class(40, exact=True) == 3
+    assert module._row_class(1) == 1 and module._row_class(5) == 2
+    configs = module._prune(module._configs(), {"row_class": 3, "N": 4096})
+    assert configs and all(c.kwargs["USE_DOT"] for c in configs)
+
+
 def test_leading_axes_and_weight_slices():
     """``x [B, q, K]`` keeps its leading axes; a weight that is a row slice of a larger matrix
     (StaticLM's modules point into the fused q/k/v matrix) is read in place."""

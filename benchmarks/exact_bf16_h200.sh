@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 22 on the H200: bit-exact mode (SPEC.md §14) beside the default kernels, in one run per case.
+# `flashspec bench e2e` with FlashSpec target-only and every fixed arm, each in both modes
+# (--systems flashspec,flashspec-fixed,flashspec-exact,flashspec-fixed-exact), greedy:
+#   drift — the report's greedy check: each default-mode arm against default target-only (today's
+#           rate) and each bit-exact arm against bit-exact target-only (the mode's promise: all equal);
+#   cost  — tokens/s of target-only and of each arm in each mode, batch 1 and 8 (ratios in one run).
+# Cases: the demo pair on chat-formatted held-out requests (batch 1 and 8) and on held-out corpus text
+# (batch 1), 8 prompts per domain (24); the Llama-3-8B shape with random weights (--shaped, batch 1).
+# Expects the pair as bf16 folders in /tmp/hf/{target,draft}: run
+#   TRAIN=0 SHALLOW=0 ACCEPTANCE=0 ANATOMY=0 E2E=0 bash benchmarks/selfdraft_h200.sh OUTDIR
+# first (it converts the GGUF pair and runs the CUDA tests, the bit-exact ones among them).
+# Usage: bash benchmarks/exact_bf16_h200.sh OUTDIR   (writes OUTDIR/exact_*/); PROMPTS (per domain,
+# default 8) shrinks it.
+set -uo pipefail
+out=${1:?usage: exact_bf16_h200.sh OUTDIR}
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+ck=flashspec/checkpoints/qwen2.5-coder-1.5b-instruct
+pair=(--target /tmp/hf/target --draft /tmp/hf/draft --draft ngram --draft "feature:$ck/general"
+      --corpus device_carry/corpus --device cuda --dtype bfloat16 --compile --gammas 4 --regimes long --no-progress)
+systems=flashspec,flashspec-fixed,flashspec-exact,flashspec-fixed-exact
+stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
+case_() {
+  local name=$1; shift
+  stamp "$name"
+  timeout ${CASE_TIMEOUT:-540} python3 -m flashspec.cli bench e2e "$@" --systems $systems --out "$out/$name" \
+      > "$out/$name.log" 2>&1
+  stamp "$name exit $?"
+}
+case_ exact_chat_b1 "${pair[@]}" --style chat --batch-sizes 1 --prompts-per-domain ${PROMPTS:-8}
+case_ exact_chat_b8 "${pair[@]}" --style chat --batch-sizes 8 --prompts-per-domain 8
+case_ exact_text_b1 "${pair[@]}" --batch-sizes 1 --prompts-per-domain ${PROMPTS:-8}
+case_ exact_shaped_8b --shaped --device cuda --dtype bfloat16 --compile --gammas 4 --regimes long --no-progress \
+    --batch-sizes 1 --prompts-per-domain 3
+stamp "done"
