@@ -140,8 +140,9 @@ class StaticLM:
         if not (self._norms_fusable and _final_norm_fusable(self.model)):
             return ("the model's RMSNorms or its MLP activation are not the ones flashspec's decode kernels "
                     "compute, so its linear maps cannot all run through them")
-        if hasattr(self.base.layers[0].self_attn, "q_norm"):
-            return "per-head query and key norms (Qwen3) are not yet computed by the decode kernels"
+        attn = self.base.layers[0].self_attn
+        if hasattr(attn, "q_norm") and not (_folds_in(attn.q_norm) and _folds_in(attn.k_norm)):
+            return "its per-head query and key norms are not the RMSNorm flashspec's rotation kernel computes"
         param = next(self.model.parameters())
         if not attention.available(param):
             return ("it runs the Triton decode kernels: it needs a CUDA GPU with Triton "
@@ -359,11 +360,17 @@ class StaticLM:
             q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
             q = q.view(batch, width, heads, dim)
             k = k.view(batch, width, kv_heads, dim)
+            head_norms = {}
             if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
-                q, k = attn.q_norm(q), attn.k_norm(k)
+                if exact:  # in the rotation's kernel, a reduction per row whatever the shape (SPEC.md §14)
+                    head_norms = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
+                                      q_eps=attn.q_norm.variance_epsilon, k_eps=attn.k_norm.variance_epsilon)
+                else:
+                    q, k = attn.q_norm(q), attn.k_norm(k)
             v = v.view(batch, width, kv_heads, dim)
             if use_kernel:  # rotation and cache write in one launch
-                q = rope_write_kv(q, k, v, cos, sin, positions, self.keys[i], self.values[i]).transpose(1, 2)
+                q = rope_write_kv(q, k, v, cos, sin, positions, self.keys[i], self.values[i],
+                                  **head_norms).transpose(1, 2)
             else:
                 q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
                 write_kv(self.keys[i], self.values[i], k, v.transpose(1, 2), slots)

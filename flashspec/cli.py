@@ -131,7 +131,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="time forwards and steps again even when cached timings match")
     p.add_argument("--bit-exact", action="store_true",
                    help="bit-exact mode: greedy output equal to target-only output token for token in bfloat16 "
-                        "too (SPEC.md §14; a CUDA GPU, Llama/Qwen2/Mistral targets)")
+                        "too (SPEC.md §14; a CUDA GPU, Llama/Qwen2/Qwen3/Mistral targets)")
     p.add_argument("--repeats", type=int, default=None,
                    help="with a comparison: alternating speculative / target-only pairs; the speedup is their "
                         "median ratio (default 3: one pair is too noisy on a shared machine)")

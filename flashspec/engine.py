@@ -85,7 +85,7 @@ class SpeculativeEngine:
         bit_exact: ``True`` — the target's decode forwards give a position bit-identical logits
             whether they feed one token or ``γ + 1`` per sequence and whatever else the batch
             holds (SPEC.md §14), so greedy output equals target-only greedy output token for
-            token in bfloat16 too, not only in float32. Llama, Qwen2 and Mistral targets in 16
+            token in bfloat16 too, not only in float32. Llama, Qwen2, Qwen3 and Mistral targets in 16
             bits on a CUDA GPU with Triton; elsewhere ``ValueError`` says why. Costs some speed
             (BENCHMARKS.md), so it is off by default.
     """

@@ -27,8 +27,22 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BF16 = torch.bfloat16
 
 
+def _qwen3(seed: int = 0) -> transformers.PreTrainedModel:
+    """A tiny Qwen3 (per-head query and key RMSNorms), float32."""
+    config = transformers.Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for layer in model.model.layers:  # norms that are not all ones, so that folding them in shows
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.data = 1 + 0.3 * torch.randn(norm.weight.shape)
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def _bf16(arch: str, seed: int = 0) -> transformers.PreTrainedModel:
-    return tiny_model(arch, seed).to(DEVICE, BF16)
+    return (_qwen3(seed) if arch == "qwen3" else tiny_model(arch, seed)).to(DEVICE, BF16)
 
 
 def _exact_lm(model, batch: int) -> StaticLM:
@@ -38,7 +52,7 @@ def _exact_lm(model, batch: int) -> StaticLM:
     return lm
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_logits_and_cache_do_not_depend_on_the_forward_width_or_the_batch(arch):
     """After one prefill (20 tokens: the cuBLAS/SDPA path), five 1-token forwards and one 5-token
     forward give bit-identical logits and write bit-identical keys and values; each sequence of
@@ -80,17 +94,18 @@ def _feature_drafter(target) -> str:
 PROMPTS = [[5, 9, 2, 7, 5, 9, 2, 7, 1, 3, 5, 9, 2, 7, 11, 4, 6, 8, 10, 12], [7, 8, 9]]
 
 
-@pytest.mark.parametrize("drafter,gamma,batch", [
-    ("itself", 4, 2),  # drafter == target: long accepted runs
-    ("noisy", 1, 1),   # p != q, gamma = 1, batch 1
-    ("ngram", 3, 2),
-    ("feature", 2, 2),
+@pytest.mark.parametrize("drafter,gamma,batch,arch", [
+    ("itself", 4, 2, "qwen2"),  # drafter == target: long accepted runs
+    ("noisy", 1, 1, "qwen2"),   # p != q, gamma = 1, batch 1
+    ("ngram", 3, 2, "qwen2"),
+    ("feature", 2, 2, "qwen2"),
+    ("itself", 3, 2, "qwen3"),  # per-head norms in the rotation's kernel
 ])
-def test_greedy_speculative_equals_target_only_in_bf16(drafter, gamma, batch):
+def test_greedy_speculative_equals_target_only_in_bf16(drafter, gamma, batch, arch):
     """The promise of the mode: in bf16, greedy speculative output equals target-only output token
     for token (ragged batch of a 20- and a 3-token prompt, and batch 1), for a model drafter (the
     target itself, a noisy copy), n-gram and a feature drafter made from the target."""
-    target = _bf16("qwen2")
+    target = _bf16(arch)
     drafters = {"itself": lambda: [target], "noisy": lambda: [noisy_copy(tiny_model("qwen2"), 0.05, 1).to(DEVICE, BF16)],
                 "ngram": lambda: ["ngram"], "feature": lambda: [_feature_drafter(target)]}[drafter]()
     prompts = PROMPTS[:batch]
@@ -104,8 +119,8 @@ def test_greedy_speculative_equals_target_only_in_bf16(drafter, gamma, batch):
 
 
 def test_errors_say_why_the_mode_cannot_hold(monkeypatch):
-    """ValueError with the reason: not a bool; an architecture without StaticLM; float32; Qwen3's
-    per-head norms; norms the kernels do not fold in; a tensor-parallel rank; no Triton."""
+    """ValueError with the reason: not a bool; an architecture without StaticLM; float32; norms the
+    kernels do not fold in (the layers' or Qwen3's per-head ones); a tensor-parallel rank; no Triton."""
     target = _bf16("qwen2")
     with pytest.raises(ValueError, match="True or False"):
         SpeculativeEngine(target, [], bit_exact="yes")
@@ -113,12 +128,10 @@ def test_errors_say_why_the_mode_cannot_hold(monkeypatch):
         SpeculativeEngine(tiny_model("gpt2").to(DEVICE, BF16), [], bit_exact=True)
     with pytest.raises(ValueError, match="bfloat16 and float16"):
         SpeculativeEngine(tiny_model("qwen2").to(DEVICE), [], bit_exact=True)
-    qwen3 = transformers.Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                     max_position_embeddings=256)
-    with pytest.raises(ValueError, match="Qwen3"):
-        SpeculativeEngine(transformers.AutoModelForCausalLM.from_config(qwen3).to(DEVICE, BF16).eval(), [],
-                          bit_exact=True)
+    qwen3 = _bf16("qwen3")
+    qwen3.model.layers[0].self_attn.k_norm = torch.nn.LayerNorm(8).to(DEVICE, BF16)  # not an RMSNorm
+    with pytest.raises(ValueError, match="per-head query and key norms"):
+        SpeculativeEngine(qwen3, [], bit_exact=True)
     gelu = tiny_model("llama")
     gelu.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="RMSNorms or its MLP activation"):

@@ -519,8 +519,12 @@ def test_calibration_on_cuda_times_graph_replays_and_reuses_its_cache(tmp_path, 
 
 def real_shape(arch: str, layers: int = 2, vocab: int | None = None):
     """A random-weight bf16 model of a real model's shape, with few layers: Qwen2.5-1.5B (q/k/v
-    biases, tied embeddings) or Llama-3-8B."""
-    if arch == "qwen2":
+    biases, tied embeddings), Qwen3-1.7B (per-head query and key norms) or Llama-3-8B."""
+    if arch == "qwen3":
+        config = transformers.Qwen3Config(vocab_size=vocab or 151936, hidden_size=2048, intermediate_size=6144,
+                                          num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
+                                          head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True)
+    elif arch == "qwen2":
         config = transformers.Qwen2Config(vocab_size=vocab or 151936, hidden_size=1536, intermediate_size=8960,
                                           num_hidden_layers=layers, num_attention_heads=12, num_key_value_heads=2,
                                           max_position_embeddings=4096, tie_word_embeddings=True)
@@ -535,7 +539,7 @@ def real_shape(arch: str, layers: int = 2, vocab: int | None = None):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_bit_exact_logits_do_not_depend_on_width_or_batch_on_cuda(arch, compiled):
     """Real shapes, natively: a 5-token forward and five 1-token forwards give bit-identical

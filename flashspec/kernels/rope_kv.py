@@ -14,6 +14,11 @@ where ``rotate_half(x) = (−x[D/2:], x[:D/2])``. Products and the sum are compu
 and rounded once to the tensor's dtype — what inductor's fused rotation does; eager PyTorch
 rounds after each operation, so in 16-bit dtypes the two can differ in the last bit.
 
+With ``q_norm``/``k_norm`` weights (``[D]``, Qwen3's per-head RMSNorms; bit-exact mode, SPEC.md §14)
+each query and key row is first normalised as transformers does — ``r = rsqrt(mean(x²) + eps)`` in
+float32, ``n = round(x·r)``, ``h = round(w·n)`` — its sum of squares one reduction over the row in
+a program of its own, so the same bits whatever the batch and width of the call.
+
 Grid: ``(B·q, H + H_kv)``; program ``(b·q + t, h)`` rotates query head ``h`` of token ``t``
 (``h < H``) or rotates key head ``h − H`` and copies its value row into the cache at
 ``positions[b, t]``. Batch, width and strides are runtime arguments: one compilation per dtype
@@ -36,6 +41,15 @@ def available(query: torch.Tensor) -> bool:
     return shim.available(query)
 
 
+def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm as transformers computes it (both roundings), or ``x``."""
+    if weight is None:
+        return x
+    xf = x.float()
+    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.float() * n.float()).to(x.dtype)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -51,8 +65,13 @@ def rope_write_kv_reference(
     positions: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    q_eps: float = 0.0,
+    k_eps: float = 0.0,
 ) -> torch.Tensor:
     """What :func:`rope_write_kv` computes, in PyTorch (float32 arithmetic, one rounding)."""
+    query, key = _norm(query, q_norm, q_eps), _norm(key, k_norm, k_eps)
     batch, width, kv_heads, dim = key.shape
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     slots = positions[:, None, :, None].expand(batch, kv_heads, width, dim)
@@ -61,8 +80,14 @@ def rope_write_kv_reference(
     return _rotate(query, cos, sin).contiguous()
 
 
-def _check(query, key, value, cos, sin, positions, keys, values) -> None:
+def _check(query, key, value, cos, sin, positions, keys, values, q_norm=None, k_norm=None) -> None:
     shim.require("rope_write_kv", query)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together (Qwen3 normalises both queries and keys)")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and (w.shape != (query.shape[-1],) or w.dtype != query.dtype or w.device != query.device):
+            raise ValueError(f"{name} {tuple(w.shape)} must be [D] = [{query.shape[-1]}] in the query's dtype "
+                             "and device")
     if query.dim() != 4:
         raise ValueError(f"query {tuple(query.shape)} must be [B, q, H, D]")
     batch, width, heads, dim = query.shape
@@ -98,8 +123,12 @@ def _launch(
     positions: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    q_eps: float = 0.0,
+    k_eps: float = 0.0,
 ) -> torch.Tensor:
-    _check(query, key, value, cos, sin, positions, keys, values)
+    _check(query, key, value, cos, sin, positions, keys, values, q_norm, k_norm)
     batch, width, heads, dim = query.shape
     kv_heads = key.shape[2]
     out = torch.empty((batch, width, heads, dim), dtype=query.dtype, device=query.device)
@@ -107,8 +136,10 @@ def _launch(
         return out
     if positions.dtype != torch.int64:
         positions = positions.to(torch.int64)
+    norm = q_norm is not None
     _rope_write_kernel[(batch * width, heads + kv_heads)](
         query, key, value, cos, sin, positions, out, keys, values,
+        q_norm.contiguous() if norm else query, k_norm.contiguous() if norm else key, float(q_eps), float(k_eps),
         width, heads, dim,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
@@ -117,7 +148,7 @@ def _launch(
         positions.stride(0), positions.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
-        BLOCK_D=max(16, next_pow2(dim)), PDL=pdl.enabled(query.device), num_warps=1,
+        BLOCK_D=max(16, next_pow2(dim)), NORM=norm, PDL=pdl.enabled(query.device), num_warps=1,
         **pdl.launch_options(query.device),
     )
     return out
@@ -132,17 +163,22 @@ def rope_write_kv(
     positions: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    q_eps: float = 0.0,
+    k_eps: float = 0.0,
 ) -> torch.Tensor:
     """Rotate ``query [B, q, H, D]`` and ``key [B, q, H_kv, D]`` by ``cos/sin [B, q, D]``, write the
     rotated keys and ``value [B, q, H_kv, D]`` into ``keys/values [B, H_kv, C, D]`` at
     ``positions [B, q]``, and return the rotated queries as a new contiguous ``[B, q, H, D]``
     tensor. Every input needs a unit stride along ``D`` (views of a fused projection are fine).
     ``positions`` must lie in ``[0, C)``: it is not checked, because checking would read it back
-    to the host (StaticLM clamps its positions to the capacity).
+    to the host (StaticLM clamps its positions to the capacity). ``q_norm``, ``k_norm`` (``[D]``,
+    together) with ``q_eps``, ``k_eps``: each query and key row is RMS-normalised first (Qwen3).
 
     Under ``torch.compile`` it is the opaque custom op ``flashspec::rope_write_kv``, which
     declares that it mutates the cache (so the cache is written in place, SPEC.md §3)."""
-    return _OP(query, key, value, cos, sin, positions, keys, values)
+    return _OP(query, key, value, cos, sin, positions, keys, values, q_norm, k_norm, float(q_eps), float(k_eps))
 
 
 def _register():
@@ -150,8 +186,8 @@ def _register():
     if hasattr(torch.ops.flashspec, "rope_write_kv"):
         return torch.ops.flashspec.rope_write_kv
     op = torch.library.custom_op("flashspec::rope_write_kv", _launch, mutates_args=("keys", "values"))
-    op.register_fake(lambda query, key, value, cos, sin, positions, keys, values: torch.empty_like(
-        query, memory_format=torch.contiguous_format))
+    op.register_fake(lambda query, key, value, cos, sin, positions, keys, values, q_norm=None, k_norm=None,
+                     q_eps=0.0, k_eps=0.0: torch.empty_like(query, memory_format=torch.contiguous_format))
     return op
 
 
@@ -159,18 +195,33 @@ _OP = _register()
 
 
 if triton is not None:
-    _RUNTIME = ["W", "H", "q_sb", "q_st", "q_sh", "k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh",
+    _RUNTIME = ["q_eps", "k_eps", "W", "H", "q_sb", "q_st", "q_sh", "k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh",
                 "c_sb", "c_st", "s_sb", "s_st", "p_sb", "p_st", "kc_sb", "kc_sh", "kc_sp",
                 "vc_sb", "vc_sh", "vc_sp"]
+
+    @triton.jit
+    def _normed(x, xp, w_ptr, d, partner, live, D, eps, NORM: tl.constexpr):
+        """A row ``x`` and its rotation partner ``xp`` as float32, RMS-normalised first with ``NORM``
+        (the row's sum of squares: one reduction in this program, whatever the call's shape)."""
+        xf = x.to(tl.float32)
+        xpf = xp.to(tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+            w = tl.load(w_ptr + d, mask=live, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=live, other=0.0).to(tl.float32)
+            xf = (w * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+            xpf = (wp * (xpf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+        return xf, xpf
 
     @triton.jit(do_not_specialize=_RUNTIME)
     def _rope_write_kernel(
         q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, kc_ptr, vc_ptr,
+        qn_ptr, kn_ptr, q_eps, k_eps,
         W, H, D,
         q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
         c_sb, c_st, s_sb, s_st, p_sb, p_st,
         kc_sb, kc_sh, kc_sp, vc_sb, vc_sh, vc_sp,
-        BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # flashspec.kernels.pdl: every input comes from earlier kernels
             tl.extra.cuda.gdc_wait()
@@ -190,16 +241,18 @@ if triton is not None:
         if h < H:
             src = q_ptr + b * q_sb + t * q_st + h * q_sh
             x = tl.load(src + d, mask=live, other=0.0)
-            xp = tl.load(src + partner, mask=live, other=0.0).to(tl.float32)
-            y = x.to(tl.float32) * c + sign * xp * s
+            xp = tl.load(src + partner, mask=live, other=0.0)
+            xf, xpf = _normed(x, xp, qn_ptr, d, partner, live, D, q_eps, NORM)
+            y = xf * c + sign * xpf * s
             tl.store(out_ptr + ((b * W + t) * H + h) * D + d, y.to(x.dtype), mask=live)
         else:
             j = h - H
             pos = tl.load(pos_ptr + b * p_sb + t * p_st)
             src = k_ptr + b * k_sb + t * k_st + j * k_sh
             x = tl.load(src + d, mask=live, other=0.0)
-            xp = tl.load(src + partner, mask=live, other=0.0).to(tl.float32)
-            y = x.to(tl.float32) * c + sign * xp * s
+            xp = tl.load(src + partner, mask=live, other=0.0)
+            xf, xpf = _normed(x, xp, kn_ptr, d, partner, live, D, k_eps, NORM)
+            y = xf * c + sign * xpf * s
             tl.store(kc_ptr + b * kc_sb + j * kc_sh + pos * kc_sp + d, y.to(x.dtype), mask=live)
             v = tl.load(v_ptr + b * v_sb + t * v_st + j * v_sh + d, mask=live, other=0.0)
             tl.store(vc_ptr + b * vc_sb + j * vc_sh + pos * vc_sp + d, v, mask=live)

@@ -230,7 +230,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode forwards (warmed up at start)")
     p.add_argument("--bit-exact", action="store_true",
                    help="bit-exact mode: a request's logits do not depend on its batch or the draft length "
-                        "(SPEC.md §14; a CUDA GPU, Llama/Qwen2/Mistral targets)")
+                        "(SPEC.md §14; a CUDA GPU, Llama/Qwen2/Qwen3/Mistral targets)")
     p.set_defaults(run=_run)
     return p
 

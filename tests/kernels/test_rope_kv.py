@@ -116,6 +116,40 @@ def test_every_shape(batch, width, kv_heads, groups, half_dim, extra, dtype):
     _assert_equal(out, ref, cache, cache_ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_head_norms_match_the_reference_and_do_not_depend_on_the_call(dtype):
+    """Qwen3's per-head RMSNorms folded in (bit-exact mode, SPEC.md §14): close to the PyTorch
+    reference (transformers' formula, both roundings), and a token's rotated query and cached key
+    are the same bits whether the call feeds it alone or with four others and another sequence."""
+    q, k, v, cos, sin, positions, keys, values = _problem(batch=2, width=5, heads=4, kv_heads=2, dim=32,
+                                                          capacity=40, dtype=dtype, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    q_norm, k_norm = [(1 + 0.3 * torch.randn(32, generator=gen)).to(DEVICE, dtype) for _ in range(2)]
+    norms = dict(q_norm=q_norm, k_norm=k_norm, q_eps=1e-6, k_eps=1e-5)
+    keys_ref, values_ref = keys.clone(), values.clone()
+    out = rope_write_kv(q, k, v, cos, sin, positions, keys, values, **norms)
+    ref = rope_write_kv_reference(q, k, v, cos, sin, positions, keys_ref, values_ref, **norms)
+    if dtype == torch.float32:
+        _assert_equal(out, ref, (keys, values), (keys_ref, values_ref), dtype)
+    else:  # two 16-bit roundings before the rotation: a unit of each, of the normalised values' size
+        scale = 4 * 2 ** -7 * ref.float().abs().amax().item()
+        torch.testing.assert_close(out, ref, atol=scale, rtol=0)
+        torch.testing.assert_close(keys, keys_ref, atol=scale, rtol=0)
+        assert torch.equal(values, values_ref)
+        if CUDA:  # rounding to nearest there (the interpreter truncates): nearly every element equal
+            assert (out != ref).float().mean() < 0.05
+    one_keys, one_values = keys.clone().fill_(0), values.clone().fill_(0)
+    one = rope_write_kv(q[1:, 3:4], k[1:, 3:4], v[1:, 3:4], cos[1:, 3:4], sin[1:, 3:4], positions[1:, 3:4],
+                        one_keys[1:], one_values[1:], **norms)
+    assert torch.equal(one[0, 0], out[1, 3])
+    position = positions[1, 3]
+    assert torch.equal(one_keys[1, :, position], keys[1, :, position])
+    with pytest.raises(ValueError, match="come together"):
+        rope_write_kv(q, k, v, cos, sin, positions, keys, values, q_norm=q_norm)
+    with pytest.raises(ValueError, match="must be \\[D\\]"):
+        rope_write_kv(q, k, v, cos, sin, positions, keys, values, q_norm=q_norm[:8], k_norm=k_norm)
+
+
 def test_clear_errors():
     q, k, v, cos, sin, positions, keys, values = _problem(1, 2, 2, 1, 8, 6, torch.float32)
     with pytest.raises(ValueError, match="positions"):
