@@ -86,8 +86,8 @@ class SpeculativeEngine:
             whether they feed one token or ``γ + 1`` per sequence and whatever else the batch
             holds (SPEC.md §14), so greedy output equals target-only greedy output token for
             token in bfloat16 too, not only in float32. Llama, Qwen2, Qwen3 and Mistral targets in 16
-            bits on a CUDA GPU with Triton; elsewhere ``ValueError`` says why. Costs some speed
-            (BENCHMARKS.md), so it is off by default.
+            bits on a CUDA GPU with Triton; elsewhere ``ValueError`` says why. Off by default: it runs slower
+            kernels for one-token forwards, and its cost is not measured yet (BENCHMARKS.md).
     """
 
     def __init__(
