@@ -51,15 +51,17 @@ can differ in the last bit (SPEC.md §7 says what "exact" means in bf16). Withou
 matrices, the interpreter) one fixed configuration serves every ``M``, and every row count agrees.
 
 **Bit-exact mode** (``exact=True``, SPEC.md §14). Every call runs the tensor-core inner product,
-one or many 16-row tiles (a second grid axis over them, so ``M`` is not capped at 16), with one
+one or many 16-row tiles (``ceil(M / 16)`` programs per column block, so ``M`` is not capped at
+16; they are adjacent in the grid, run together and share the block's weights through L2), with one
 tile configuration per ``(N, K)`` and options for every ``M`` (its own autotuning class, 3). Row
 ``m``'s result is then computed by the same instructions whatever ``M`` is and wherever ``m``
 falls in its tile — ``tl.dot``'s per-element accumulation does not depend on the tile's other
 rows, and the RMSNorm of the rows is a per-row sum over the same ``[16, BLOCK_K]`` tiles — so a
 token's outputs are bit-identical in a 1-row forward and in a wider one.
 
-Grid and traffic: ``ceil(N / BLOCK_N)`` programs; each reads its ``BLOCK_N`` weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows from L2. Weights
-are read exactly once per call: ``N·K·b`` bytes (``2·N·K·b`` gated), the floor. No atomics, no
+Grid and traffic: ``ceil(N / BLOCK_N)`` programs (times the row tiles in bit-exact mode); each
+reads its ``BLOCK_N`` weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows
+from L2. Weights are read from memory once per call: ``N·K·b`` bytes (``2·N·K·b`` gated), the floor. No atomics, no
 split-K: results are deterministic. On CUDA the tile sizes of matrices of at least 2²⁰ elements
 are autotuned once per ``(N, K)``, options and row class (one row, several); smaller ones (tests)
 take one fixed tile.
@@ -171,14 +173,16 @@ def _launch(
             res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0), _row_class(m, exact))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
                  GATED=bool(gated), UPCAST=not x.is_cuda, PDL=pdl.enabled(x.device), **pdl.launch_options(x.device))
-    row_tiles = triton.cdiv(m, ROW_TILE) if exact else 1  # [programs over N, over row tiles]
+    # One program per (column block, row tile), the row tiles of a column block side by side so
+    # they run together and read its weights from L2 (bit-exact mode; M ≤ 16 is one tile).
+    row_tiles = triton.cdiv(m, ROW_TILE) if exact else 1
     if x.is_cuda and n * k >= _TUNED_SIZE:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), row_tiles)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * row_tiles,)  # noqa: E731
         _tuned[grid](*args, **flags)
     else:  # small matrices (tests) and the interpreter: one fixed configuration
         config = dict(_FIXED_EXACT if exact else _FIXED)
         config["BLOCK_K"] = 256 if x.is_cuda else config["BLOCK_K"]
-        _decode_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]), row_tiles)](*args, **flags, **config)
+        _decode_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]) * row_tiles,)](*args, **flags, **config)
     return out.view(*x.shape[:-1], n)
 
 
@@ -301,18 +305,20 @@ if triton is not None:
         USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """Program ``(i, t)``: output columns ``i·BLOCK_N ..`` of every row (``M ≤ 16``, ``t = 0``), or
-        of the rows ``16·t ..`` (bit-exact mode, tensor-core tiles). ``row_class``
-        (:func:`_row_class`) is read by the autotuner only. With ``PDL`` (:mod:`flashspec.kernels.pdl`)
-        it waits for the previous kernel before reading or writing anything."""
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        """Program ``i·T + t`` (``T = ceil(M / 16)`` row tiles): output columns ``i·BLOCK_N ..`` of
+        every row (``M ≤ 16``, ``T = 1``), or of the rows ``16·t ..`` (bit-exact mode, tensor-core
+        tiles). ``row_class`` (:func:`_row_class`) is read by the autotuner only. With ``PDL``
+        (:mod:`flashspec.kernels.pdl`) it waits for the previous kernel before reading or writing anything."""
+        row_tiles = (M + 15) // 16
+        tile = tl.program_id(0) % row_tiles
+        rn = (tl.program_id(0) // row_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_live = rn < N
         dtype = y_ptr.dtype.element_ty
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        if USE_DOT:  # a 16-row tile: every row (bit-exact mode: the tile of program_id(1))
-            rm = tl.program_id(1) * 16 + tl.arange(0, 16)
+        if USE_DOT:  # a 16-row tile: every row (bit-exact mode: row tile `tile`)
+            rm = tile * 16 + tl.arange(0, 16)
             m_live = rm < M
             rstd = tl.zeros([16], dtype=tl.float32)
             if NORM:
