@@ -594,3 +594,54 @@ def test_bit_exact_greedy_speculative_equals_target_only_on_cuda(drafter, compil
         expected = base.generate(batch, max_new_tokens=48, eos_token_id=[]).sequences
         out = engine.generate(batch, max_new_tokens=48, num_draft_tokens=4, eos_token_id=[])
         assert out.sequences == expected, (drafter, len(batch))
+
+
+@pytest.mark.parametrize("drafter,temperature,top_k,top_p,gamma", [
+    ("noisy", 0.8, 0, 0.9, 3), ("self", 0.6, 5, 1.0, 1), ("ngram", 1.3, 0, 1.0, 2), ("none", 0.7, 4, 0.9, 4)])
+def test_bit_exact_sampling_follows_the_exact_law_of_its_logits_on_cuda(drafter, temperature, top_k, top_p, gamma):
+    """Sampled output in bit-exact mode (SPEC.md §14 item 1, §6): 20,000 bf16 continuations of one
+    prompt against the law of their first three tokens, enumerated from the mode's own forward
+    (10 tokens: the exact kernels, so the logits the engine's prefill and decode steps compute)
+    and warped by transformers' warpers, not FlashSpec's sampling code."""
+    import copy
+    import itertools
+
+    import numpy as np
+    from stats_helpers import ALPHA
+    from test_distribution import PROMPT, SAMPLES, V, chi_square_pvalue, tiny_llama
+
+    target = tiny_llama(0, hidden=64).to("cuda", torch.bfloat16)  # head size 16: the attention kernel's tiles
+    lm = StaticLM(target)
+    lm.bit_exact = True
+    lm.reset(V * V, 16)
+    pairs = torch.tensor(list(itertools.product(range(V), repeat=2)), device="cuda")  # [V², 2]
+    ids = torch.cat([torch.tensor(PROMPT, device="cuda").expand(len(pairs), -1), pairs], dim=1)
+    logits = lm.forward(ids, torch.zeros(len(pairs), dtype=torch.long, device="cuda"))[:, -3:].float().cpu()
+    warpers = transformers.LogitsProcessorList([transformers.TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(transformers.TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(transformers.TopPLogitsWarper(top_p))
+    law = lambda z: torch.softmax(warpers(None, z), dim=-1).double()  # noqa: E731
+    joint = (law(logits[:1, 0])[0][:, None, None] * law(logits[:, 1]).view(V, V, V)[:, 0][:, :, None]
+             * law(logits[:, 2]).view(V, V, V)).numpy()
+
+    def noisy():
+        model = copy.deepcopy(target)
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.float().std() * torch.randn(p.shape, generator=gen, device="cuda").to(p.dtype))
+        return model
+
+    made = {"noisy": noisy, "self": lambda: target, "ngram": lambda: "ngram", "none": lambda: None}[drafter]()
+    engine = SpeculativeEngine(target, [made] if made is not None else [], selector="fixed", bit_exact=True)
+    out = engine.generate([PROMPT] * SAMPLES, max_new_tokens=5, do_sample=True, temperature=temperature, top_k=top_k,
+                          top_p=top_p, num_draft_tokens=gamma, eos_token_id=[], seed=1234)
+    samples = np.array([s[:3] for s in out.sequences])
+    pvalue = chi_square_pvalue(samples, joint)
+    assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: bit-exact mode's output law differs from its logits' law"
+    if drafter == "self":
+        assert out.stats.acceptance_rate > 0.95  # p ≈ q: the drafter runs the default kernels
+    elif drafter != "none":
+        assert 0.0 < out.stats.acceptance_rate < 1.0  # both the accept and the reject paths ran
