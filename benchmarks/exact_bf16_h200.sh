@@ -5,7 +5,9 @@
 #   drift — the report's greedy check: each default-mode arm against default target-only (today's
 #           rate) and each bit-exact arm against bit-exact target-only (the mode's promise: all equal);
 #   cost  — tokens/s of target-only and of each arm in each mode, batch 1 and 8 (ratios in one run).
-# Cases: the demo pair on chat-formatted held-out requests (batch 1 and 8) and on held-out corpus text
+# First, the cost of one target forward in each mode (CUDA-graph replays, random weights of the
+# Qwen2.5-1.5B and Llama-3-8B shapes, 1 or 5 tokens for 1 or 8 sequences after 512 cached positions:
+# OUTDIR/exact_forward.json). Cases: the demo pair on chat-formatted held-out requests (batch 1 and 8) and on held-out corpus text
 # (batch 1), 8 prompts per domain (24); the Llama-3-8B shape with random weights (--shaped, batch 1).
 # Expects the pair as bf16 folders in /tmp/hf/{target,draft}: run
 #   TRAIN=0 SHALLOW=0 ACCEPTANCE=0 ANATOMY=0 E2E=0 bash benchmarks/selfdraft_h200.sh OUTDIR
@@ -27,6 +29,32 @@ case_() {
       > "$out/$name.log" 2>&1
   stamp "$name exit $?"
 }
+stamp "forward cost"  # one target forward replayed from a CUDA graph, both modes, widths and batches
+timeout 300 python3 - "$out/exact_forward.json" > "$out/exact_forward.log" 2>&1 <<'PY'
+import json, sys, torch
+from flashspec.bench.gpu import shaped_model
+from flashspec.bench.timing import forward_seconds
+from flashspec.cache import StaticLM
+rows = []
+for shape in ("qwen2.5-1.5b", "llama3-8b"):
+    model = shaped_model(shape)
+    for exact in (False, True):
+        lm = StaticLM(model)
+        lm.bit_exact = exact
+        for batch, width in ((1, 1), (1, 5), (8, 1), (8, 5)):
+            seconds = forward_seconds(lm, batch, width, context=512, iters=100)
+            rows.append(dict(shape=shape, bit_exact=exact, batch=batch, width=width, seconds=seconds))
+            print(rows[-1], flush=True)
+    del model, lm
+    torch.cuda.empty_cache()
+for r in rows:
+    if r["bit_exact"]:
+        base = next(b for b in rows if not b["bit_exact"] and all(b[k] == r[k] for k in ("shape", "batch", "width")))
+        r["ratio_to_default"] = r["seconds"] / base["seconds"]
+        print(f"{r['shape']} batch {r['batch']} width {r['width']}: bit-exact / default = {r['ratio_to_default']:.3f}")
+json.dump(dict(device=torch.cuda.get_device_name(), context=512, rows=rows), open(sys.argv[1], "w"), indent=1)
+PY
+stamp "forward cost exit $?"
 case_ exact_chat_b1 "${pair[@]}" --style chat --batch-sizes 1 --prompts-per-domain ${PROMPTS:-8}
 case_ exact_chat_b8 "${pair[@]}" --style chat --batch-sizes 8 --prompts-per-domain 8
 case_ exact_text_b1 "${pair[@]}" --batch-sizes 1 --prompts-per-domain ${PROMPTS:-8}
