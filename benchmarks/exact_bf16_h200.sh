@@ -5,10 +5,11 @@
 #   drift — the report's greedy check: each default-mode arm against default target-only (today's
 #           rate) and each bit-exact arm against bit-exact target-only (the mode's promise: all equal);
 #   cost  — tokens/s of target-only and of each arm in each mode, batch 1 and 8 (ratios in one run).
-# First, the cost of one target forward in each mode (CUDA-graph replays, random weights of the
-# Qwen2.5-1.5B and Llama-3-8B shapes, 1 or 5 tokens for 1 or 8 sequences after 512 cached positions:
-# OUTDIR/exact_forward.json). Cases: the demo pair on chat-formatted held-out requests (batch 1 and 8) and on held-out corpus text
-# (batch 1), 8 prompts per domain (24); the Llama-3-8B shape with random weights (--shaped, batch 1).
+# Cases: the demo pair on chat-formatted held-out requests (batch 1 and 8) and on held-out corpus
+# text (batch 1), 8 prompts per domain (24); then the cost of one target forward in each mode
+# (CUDA-graph replays, random weights of the Qwen2.5-1.5B and Llama-3-8B shapes, 1 or 5 tokens for
+# 1 or 8 sequences after 512 cached positions: OUTDIR/exact_forward.json); last the Llama-3-8B
+# shape with random weights end to end (--shaped, batch 1).
 # Expects the pair as bf16 folders in /tmp/hf/{target,draft}: run
 #   TRAIN=0 SHALLOW=0 ACCEPTANCE=0 ANATOMY=0 E2E=0 bash benchmarks/selfdraft_h200.sh OUTDIR
 # first (it converts the GGUF pair and runs the CUDA tests, the bit-exact ones among them).
@@ -29,6 +30,9 @@ case_() {
       > "$out/$name.log" 2>&1
   stamp "$name exit $?"
 }
+case_ exact_chat_b1 "${pair[@]}" --style chat --batch-sizes 1 --prompts-per-domain ${PROMPTS:-8}
+case_ exact_chat_b8 "${pair[@]}" --style chat --batch-sizes 8 --prompts-per-domain 8
+case_ exact_text_b1 "${pair[@]}" --batch-sizes 1 --prompts-per-domain ${PROMPTS:-8}
 stamp "forward cost"  # one target forward replayed from a CUDA graph, both modes, widths and batches
 timeout 300 python3 - "$out/exact_forward.json" > "$out/exact_forward.log" 2>&1 <<'PY'
 import json, sys, torch
@@ -55,9 +59,6 @@ for r in rows:
 json.dump(dict(device=torch.cuda.get_device_name(), context=512, rows=rows), open(sys.argv[1], "w"), indent=1)
 PY
 stamp "forward cost exit $?"
-case_ exact_chat_b1 "${pair[@]}" --style chat --batch-sizes 1 --prompts-per-domain ${PROMPTS:-8}
-case_ exact_chat_b8 "${pair[@]}" --style chat --batch-sizes 8 --prompts-per-domain 8
-case_ exact_text_b1 "${pair[@]}" --batch-sizes 1 --prompts-per-domain ${PROMPTS:-8}
 case_ exact_shaped_8b --shaped --device cuda --dtype bfloat16 --compile --gammas 4 --regimes long --no-progress \
     --batch-sizes 1 --prompts-per-domain 3
 stamp "done"

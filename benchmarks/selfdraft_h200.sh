@@ -28,6 +28,7 @@
 # and 5 (with TRAIN=0 SHALLOW=0 ACCEPTANCE=0 ANATOMY=0 E2E=0 it only converts and runs the tests,
 # for serve_h200.sh and never_slower_h200.sh); ACCEPTANCE=0 skips stage 3
 # (the committed drafters' acceptance was measured in an earlier run: it does not depend on speed);
+# GPU_TESTS=EXPR runs only the CUDA tests pytest's -k EXPR selects;
 # DISTILLED=FILE unpacks an earlier run's distilled.tar.xz instead of distilling again (with
 # TRAIN=0 SHALLOW=0 nothing trains, and nothing is distilled).
 set -uo pipefail
@@ -57,7 +58,7 @@ EOF
 stamp "gpu tests (every CUDA test, verify reuse, and the unrolled-training test on this transformers)"
 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_gpu.py tests/test_shallow_reuse.py \
     "tests/test_feature_drafter.py::test_unrolled_passes_compute_what_the_drafter_computes_at_each_draft_depth" \
-    > "$out/gpu_tests.log" 2>&1 &
+    ${GPU_TESTS:+-k "$GPU_TESTS"} > "$out/gpu_tests.log" 2>&1 &
 tests=$!
 stamp "convert"
 convert draft > "$out/convert_draft.log" 2>&1 &
