@@ -14,7 +14,8 @@
 #   TRAIN=0 SHALLOW=0 ACCEPTANCE=0 ANATOMY=0 E2E=0 bash benchmarks/selfdraft_h200.sh OUTDIR
 # first (it converts the GGUF pair and runs the CUDA tests, the bit-exact ones among them).
 # Usage: bash benchmarks/exact_bf16_h200.sh OUTDIR   (writes OUTDIR/exact_*/); PROMPTS (per domain,
-# default 8) shrinks it.
+# default 8) shrinks it; CASES (comma-separated, default chat_b1,chat_b8,text_b1,forward,shaped_8b)
+# picks cases: CASES=forward,shaped_8b needs no model files.
 set -uo pipefail
 out=${1:?usage: exact_bf16_h200.sh OUTDIR}
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -23,8 +24,10 @@ pair=(--target /tmp/hf/target --draft /tmp/hf/draft --draft ngram --draft "featu
       --corpus device_carry/corpus --device cuda --dtype bfloat16 --compile --gammas 4 --regimes long --no-progress)
 systems=flashspec,flashspec-fixed,flashspec-exact,flashspec-fixed-exact
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
+want() { [[ ",${CASES:-chat_b1,chat_b8,text_b1,forward,shaped_8b}," == *",$1,"* ]]; }
 case_() {
   local name=$1; shift
+  want "${name#exact_}" || return 0
   stamp "$name"
   timeout ${CASE_TIMEOUT:-540} python3 -m flashspec.cli bench e2e "$@" --systems $systems --out "$out/$name" \
       > "$out/$name.log" 2>&1
@@ -33,6 +36,7 @@ case_() {
 case_ exact_chat_b1 "${pair[@]}" --style chat --batch-sizes 1 --prompts-per-domain ${PROMPTS:-8}
 case_ exact_chat_b8 "${pair[@]}" --style chat --batch-sizes 8 --prompts-per-domain 8
 case_ exact_text_b1 "${pair[@]}" --batch-sizes 1 --prompts-per-domain ${PROMPTS:-8}
+if want forward; then
 stamp "forward cost"  # one target forward replayed from a CUDA graph, both modes, widths and batches
 timeout 300 python3 - "$out/exact_forward.json" > "$out/exact_forward.log" 2>&1 <<'PY'
 import json, sys, torch
@@ -59,6 +63,7 @@ for r in rows:
 json.dump(dict(device=torch.cuda.get_device_name(), context=512, rows=rows), open(sys.argv[1], "w"), indent=1)
 PY
 stamp "forward cost exit $?"
+fi
 case_ exact_shaped_8b --shaped --device cuda --dtype bfloat16 --compile --gammas 4 --regimes long --no-progress \
     --batch-sizes 1 --prompts-per-domain 3
 stamp "done"
