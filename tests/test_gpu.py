@@ -543,8 +543,10 @@ def real_shape(arch: str, layers: int = 2, vocab: int | None = None):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_bit_exact_logits_do_not_depend_on_width_or_batch_on_cuda(arch, compiled):
     """Real shapes, natively: a 5-token forward and five 1-token forwards give bit-identical
-    logits and caches; a sequence of a ragged batch of 8 decodes to the same bits alone. Without
-    the mode the same comparison differs (so the check can fail)."""
+    logits and caches; a sequence of a ragged batch of 8 decodes to the same bits alone. (Whether
+    the default kernels differ here depends on the GPU and shape: on an H100 they agreed for these
+    two-layer Llama and Qwen2 shapes and differed for Qwen3; the demo pair's default arms differ
+    from target-only on most prompts, BENCHMARKS.md, issue 22.)"""
     model = real_shape(arch)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 1000, (8, 40), generator=gen).cuda()
@@ -557,9 +559,9 @@ def test_bit_exact_logits_do_not_depend_on_width_or_batch_on_cuda(arch, compiled
         lm.reset(batch, 256)
         return lm
 
-    wide, narrow, default_wide, default_narrow = lm_for(8), lm_for(8), lm_for(8, False), lm_for(8, False)
+    wide, narrow = lm_for(8), lm_for(8)
     wide.forward(prompt, torch.zeros(8, dtype=torch.long, device="cuda"), eager=True)
-    for lm in (narrow, default_wide, default_narrow):
+    for lm in (narrow,):
         for mine, theirs in zip(lm.keys + lm.values, wide.keys + wide.values):
             mine.copy_(theirs)
     alone = lm_for(1)
@@ -571,10 +573,10 @@ def test_bit_exact_logits_do_not_depend_on_width_or_batch_on_cuda(arch, compiled
     for mine, theirs in zip(narrow.keys + narrow.values, wide.keys + wide.values):
         assert torch.equal(mine, theirs)
     assert torch.equal(alone.forward(feed[2:3], start[2:3])[0], logits[2])
-    default = default_wide.forward(feed, start)
-    default_steps = torch.cat([default_narrow.forward(feed[:, j:j + 1], start + j) for j in range(5)], dim=1)
-    assert not torch.equal(default, default_steps)  # what the mode removes
-    torch.testing.assert_close(logits.float(), default.float(), atol=0.1, rtol=0.05)
+    default = lm_for(8, exact=False)
+    for mine, theirs in zip(default.keys + default.values, wide.keys + wide.values):
+        mine.copy_(theirs)
+    torch.testing.assert_close(logits.float(), default.forward(feed, start).float(), atol=0.1, rtol=0.05)
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "feature"])
@@ -596,19 +598,23 @@ def test_bit_exact_greedy_speculative_equals_target_only_on_cuda(drafter, compil
         assert out.sequences == expected, (drafter, len(batch))
 
 
-@pytest.mark.parametrize("drafter,temperature,top_k,top_p,gamma", [
-    ("noisy", 0.8, 0, 0.9, 3), ("self", 0.6, 5, 1.0, 1), ("ngram", 1.3, 0, 1.0, 2), ("none", 0.7, 4, 0.9, 4)])
-def test_bit_exact_sampling_follows_the_exact_law_of_its_logits_on_cuda(drafter, temperature, top_k, top_p, gamma):
-    """Sampled output in bit-exact mode (SPEC.md §14 item 1, §6): 20,000 bf16 continuations of one
+BIT_EXACT_LAW_CASES = [("noisy", 0.8, 0, 0.9, 3), ("self", 0.6, 5, 1.0, 1), ("ngram", 1.3, 0, 1.0, 2),
+                       ("none", 0.7, 4, 0.9, 4)]
+
+
+def test_bit_exact_sampling_follows_the_exact_law_of_its_logits_on_cuda():
+    """Sampled output in bit-exact mode (SPEC.md §14 item 1, §6): 10,000 bf16 continuations of one
     prompt against the law of their first three tokens, enumerated from the mode's own forward
     (10 tokens: the exact kernels, so the logits the engine's prefill and decode steps compute)
-    and warped by transformers' warpers, not FlashSpec's sampling code."""
+    and warped by transformers' warpers, not FlashSpec's sampling code. Cases: p != q, drafter ==
+    target, n-gram, target-only; one after another in one test (a 10,000-row batch's CUDA graphs
+    are large: side by side in parallel test workers they ran an 80 GB GPU out of memory)."""
     import copy
     import itertools
 
     import numpy as np
     from stats_helpers import ALPHA
-    from test_distribution import PROMPT, SAMPLES, V, chi_square_pvalue, tiny_llama
+    from test_distribution import PROMPT, V, chi_square_pvalue, tiny_llama
 
     target = tiny_llama(0, hidden=64).to("cuda", torch.bfloat16)  # head size 16: the attention kernel's tiles
     lm = StaticLM(target)
@@ -617,14 +623,7 @@ def test_bit_exact_sampling_follows_the_exact_law_of_its_logits_on_cuda(drafter,
     pairs = torch.tensor(list(itertools.product(range(V), repeat=2)), device="cuda")  # [V², 2]
     ids = torch.cat([torch.tensor(PROMPT, device="cuda").expand(len(pairs), -1), pairs], dim=1)
     logits = lm.forward(ids, torch.zeros(len(pairs), dtype=torch.long, device="cuda"))[:, -3:].float().cpu()
-    warpers = transformers.LogitsProcessorList([transformers.TemperatureLogitsWarper(temperature)])
-    if top_k:
-        warpers.append(transformers.TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        warpers.append(transformers.TopPLogitsWarper(top_p))
-    law = lambda z: torch.softmax(warpers(None, z), dim=-1).double()  # noqa: E731
-    joint = (law(logits[:1, 0])[0][:, None, None] * law(logits[:, 1]).view(V, V, V)[:, 0][:, :, None]
-             * law(logits[:, 2]).view(V, V, V)).numpy()
+    del lm
 
     def noisy():
         model = copy.deepcopy(target)
@@ -634,14 +633,25 @@ def test_bit_exact_sampling_follows_the_exact_law_of_its_logits_on_cuda(drafter,
                 p.add_(p.float().std() * torch.randn(p.shape, generator=gen, device="cuda").to(p.dtype))
         return model
 
-    made = {"noisy": noisy, "self": lambda: target, "ngram": lambda: "ngram", "none": lambda: None}[drafter]()
-    engine = SpeculativeEngine(target, [made] if made is not None else [], selector="fixed", bit_exact=True)
-    out = engine.generate([PROMPT] * SAMPLES, max_new_tokens=5, do_sample=True, temperature=temperature, top_k=top_k,
-                          top_p=top_p, num_draft_tokens=gamma, eos_token_id=[], seed=1234)
-    samples = np.array([s[:3] for s in out.sequences])
-    pvalue = chi_square_pvalue(samples, joint)
-    assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: bit-exact mode's output law differs from its logits' law"
-    if drafter == "self":
-        assert out.stats.acceptance_rate > 0.95  # p ≈ q: the drafter runs the default kernels
-    elif drafter != "none":
-        assert 0.0 < out.stats.acceptance_rate < 1.0  # both the accept and the reject paths ran
+    for drafter, temperature, top_k, top_p, gamma in BIT_EXACT_LAW_CASES:
+        warpers = transformers.LogitsProcessorList([transformers.TemperatureLogitsWarper(temperature)])
+        if top_k:
+            warpers.append(transformers.TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            warpers.append(transformers.TopPLogitsWarper(top_p))
+        law = lambda z: torch.softmax(warpers(None, z), dim=-1).double()  # noqa: E731
+        joint = (law(logits[:1, 0])[0][:, None, None] * law(logits[:, 1]).view(V, V, V)[:, 0][:, :, None]
+                 * law(logits[:, 2]).view(V, V, V)).numpy()
+        made = {"noisy": noisy, "self": lambda: target, "ngram": lambda: "ngram", "none": lambda: None}[drafter]()
+        engine = SpeculativeEngine(target, [made] if made is not None else [], selector="fixed", bit_exact=True)
+        out = engine.generate([PROMPT] * 10_000, max_new_tokens=5, do_sample=True, temperature=temperature,
+                              top_k=top_k, top_p=top_p, num_draft_tokens=gamma, eos_token_id=[], seed=1234)
+        samples = np.array([s[:3] for s in out.sequences])
+        pvalue = chi_square_pvalue(samples, joint)
+        assert pvalue > ALPHA, f"{drafter}: χ² p-value {pvalue:.2e}: bit-exact output law differs from its logits' law"
+        if drafter == "self":
+            assert out.stats.acceptance_rate > 0.95, drafter  # p ≈ q: the drafter runs the default kernels
+        elif drafter != "none":
+            assert 0.0 < out.stats.acceptance_rate < 1.0, drafter  # both the accept and the reject paths ran
+        del engine, made, out
+        torch.cuda.empty_cache()
