@@ -8,14 +8,15 @@
 # Cases: the demo pair on chat-formatted held-out requests (batch 1 and 8) and on held-out corpus
 # text (batch 1), 8 prompts per domain (24); then the cost of one target forward in each mode
 # (CUDA-graph replays, random weights of the Qwen2.5-1.5B and Llama-3-8B shapes, 1 or 5 tokens for
-# 1 or 8 sequences after 512 cached positions: OUTDIR/exact_forward.json); last the Llama-3-8B
+# 1 or 8 sequences after 512 cached positions: OUTDIR/exact_forward.json) and of each linear map of
+# the Qwen2.5-1.5B shape alone at 1, 5 and 40 rows (OUTDIR/exact_maps.json); last the Llama-3-8B
 # shape with random weights end to end (--shaped, batch 1).
 # Expects the pair as bf16 folders in /tmp/hf/{target,draft}: run
 #   TRAIN=0 SHALLOW=0 ACCEPTANCE=0 ANATOMY=0 E2E=0 bash benchmarks/selfdraft_h200.sh OUTDIR
 # first (it converts the GGUF pair and runs the CUDA tests, the bit-exact ones among them).
 # Usage: bash benchmarks/exact_bf16_h200.sh OUTDIR   (writes OUTDIR/exact_*/); PROMPTS (per domain,
-# default 8) shrinks it; CASES (comma-separated, default chat_b1,chat_b8,text_b1,forward,shaped_8b)
-# picks cases: CASES=forward,shaped_8b needs no model files.
+# default 8) shrinks it; CASES (comma-separated, default chat_b1,chat_b8,text_b1,forward,maps,shaped_8b)
+# picks cases: CASES=forward,maps,shaped_8b needs no model files.
 set -uo pipefail
 out=${1:?usage: exact_bf16_h200.sh OUTDIR}
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -24,7 +25,7 @@ pair=(--target /tmp/hf/target --draft /tmp/hf/draft --draft ngram --draft "featu
       --corpus device_carry/corpus --device cuda --dtype bfloat16 --compile --gammas 4 --regimes long --no-progress)
 systems=flashspec,flashspec-fixed,flashspec-exact,flashspec-fixed-exact
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
-want() { [[ ",${CASES:-chat_b1,chat_b8,text_b1,forward,shaped_8b}," == *",$1,"* ]]; }
+want() { [[ ",${CASES:-chat_b1,chat_b8,text_b1,forward,maps,shaped_8b}," == *",$1,"* ]]; }
 case_() {
   local name=$1; shift
   want "${name#exact_}" || return 0
@@ -63,6 +64,38 @@ for r in rows:
 json.dump(dict(device=torch.cuda.get_device_name(), context=512, rows=rows), open(sys.argv[1], "w"), indent=1)
 PY
 stamp "forward cost exit $?"
+fi
+if want maps; then
+stamp "map cost"  # each linear map of the Qwen2.5-1.5B shape alone, graph replays, both modes, 1/5/40 rows
+timeout 200 python3 - "$out/exact_maps.json" > "$out/exact_maps.log" 2>&1 <<'PY'
+import json, sys, torch
+import torch.nn.functional as F
+from flashspec.bench.timing import graph_replay_seconds
+from flashspec.kernels.decode_linear import MAX_ROWS, decode_linear, exact_splits
+dev, bf16 = torch.device("cuda"), torch.bfloat16
+maps = {"qkv": dict(n=2048, k=1536, norm=True, bias=True), "o": dict(n=1536, k=1536, residual=True),
+        "gate_up": dict(n=8960, k=1536, norm=True, gated=True), "down": dict(n=1536, k=8960, residual=True),
+        "head": dict(n=151936, k=1536, norm=True)}
+rows_out = []
+for name, m in maps.items():
+    n, k, gated = m["n"], m["k"], m.get("gated", False)
+    w = torch.randn(2 * n if gated else n, k, device=dev, dtype=bf16) / k ** 0.5
+    bias = torch.randn(w.shape[0], device=dev, dtype=bf16) if m.get("bias") else None
+    g = torch.ones(k, device=dev, dtype=bf16) if m.get("norm") else None
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, k, device=dev, dtype=bf16)
+        r = torch.randn(rows, n, device=dev, dtype=bf16) if m.get("residual") else None
+        call = lambda exact: decode_linear(x, w, bias, g, 1e-6, r, gated, exact=exact)  # noqa: E731
+        # the default: decode_linear up to 16 rows, cuBLAS beyond (the norm and epilogue not counted)
+        default = (lambda: call(False)) if rows <= MAX_ROWS else (lambda: F.linear(x, w, bias))
+        t_default = graph_replay_seconds([default] * 20)
+        t_exact = graph_replay_seconds([lambda: call(True)] * 20)
+        rows_out.append(dict(map=name, n=n, k=k, rows=rows, splits=exact_splits(n, k, dev)[0],
+                             default_us=t_default * 1e6, exact_us=t_exact * 1e6, ratio=t_exact / t_default))
+        print(rows_out[-1], flush=True)
+json.dump(dict(device=torch.cuda.get_device_name(), rows=rows_out), open(sys.argv[1], "w"), indent=1)
+PY
+stamp "map cost exit $?"
 fi
 case_ exact_shaped_8b --shaped --device cuda --dtype bfloat16 --compile --gammas 4 --regimes long --no-progress \
     --batch-sizes 1 --prompts-per-domain 3
