@@ -365,8 +365,12 @@ if triton is not None:
         (:mod:`flashspec.kernels.pdl`) it waits for the previous kernel before reading or writing anything."""
         row_tiles = (M + 15) // 16
         tile = tl.program_id(0) % row_tiles
-        split = (tl.program_id(0) // row_tiles) % splits
-        rn = (tl.program_id(0) // (row_tiles * splits)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SPLIT:  # bit-exact mode's narrow maps: a K chunk per program too
+            split = (tl.program_id(0) // row_tiles) % splits
+            rn = (tl.program_id(0) // (row_tiles * splits)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        else:
+            split = 0
+            rn = (tl.program_id(0) // row_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_live = rn < N
         dtype = y_ptr.dtype.element_ty
         if PDL:
@@ -378,8 +382,13 @@ if triton is not None:
             rstd = tl.zeros([16], dtype=tl.float32)
             if NORM:
                 rstd = _rms(x_ptr, rm, m_live, K, x_sm, eps, BLOCK_K)
-            k_start = split * chunk
-            acc, acc_up = _dot_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, k_start, k_start + chunk,
+            if SPLIT:
+                k_start = split * chunk
+                k_stop = k_start + chunk
+            else:  # the whole of K, as the kernel ran before splits existed
+                k_start = 0
+                k_stop = K
+            acc, acc_up = _dot_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, k_start, k_stop,
                                     x_sm, w_sn, NORM, GATED, UPCAST, BLOCK_N, BLOCK_K, dtype)
             if SPLIT:  # this chunk's float32 sums into part [splits, M, N (2N gated)]; _finish_kernel adds them
                 width = 2 * N if GATED else N
@@ -434,13 +443,11 @@ if triton is not None:
         width = 2 * N if GATED else N
         acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        s = 0
-        while s < splits:  # (a while loop: the interpreter cannot range() to a runtime bound here)
+        for s in range(0, splits):
             at = part_ptr + (s * M + rm)[:, None] * width + rn[None, :]
             acc += tl.load(at, mask=live, other=0.0)
             if GATED:
                 acc_up += tl.load(at + N, mask=live, other=0.0)
-            s += 1
         _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rm, rn, m_live, n_live, N, HAS_BIAS, RESIDUAL, GATED,
                 y_ptr.dtype.element_ty)
 
