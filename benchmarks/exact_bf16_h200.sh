@@ -8,8 +8,9 @@
 # Cases: the demo pair on chat-formatted held-out requests (batch 1 and 8) and on held-out corpus
 # text (batch 1), 8 prompts per domain (24); then the cost of one target forward in each mode
 # (CUDA-graph replays, random weights of the Qwen2.5-1.5B and Llama-3-8B shapes, 1 or 5 tokens for
-# 1 or 8 sequences after 512 cached positions: OUTDIR/exact_forward.json) and of each linear map of
-# the Qwen2.5-1.5B shape alone at 1, 5 and 40 rows (OUTDIR/exact_maps.json); last the Llama-3-8B
+# 1 or 8 sequences after 512 cached positions, and each kernel's share of one eager one-token
+# forward: OUTDIR/exact_forward.json) and of each linear map of
+# the Qwen2.5-1.5B shape alone at 1, 5, 8 and 40 rows, cold weights (OUTDIR/exact_maps.json); last the Llama-3-8B
 # shape with random weights end to end (--shaped, batch 1).
 # Expects the pair as bf16 folders in /tmp/hf/{target,draft}: run
 #   TRAIN=0 SHALLOW=0 ACCEPTANCE=0 ANATOMY=0 E2E=0 bash benchmarks/selfdraft_h200.sh OUTDIR
@@ -44,7 +45,7 @@ import json, sys, torch
 from flashspec.bench.gpu import shaped_model
 from flashspec.bench.timing import forward_seconds
 from flashspec.cache import StaticLM
-rows = []
+rows, profiles = [], []
 for shape in ("qwen2.5-1.5b", "llama3-8b"):
     model = shaped_model(shape)
     for exact in (False, True):
@@ -54,6 +55,21 @@ for shape in ("qwen2.5-1.5b", "llama3-8b"):
             seconds = forward_seconds(lm, batch, width, context=512, iters=100)
             rows.append(dict(shape=shape, bit_exact=exact, batch=batch, width=width, seconds=seconds))
             print(rows[-1], flush=True)
+        # where a one-token forward's time goes: device time per kernel name, one eager forward
+        tokens, start = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.full((1,), 512, device="cuda")
+        lm.reset(1, 520)
+        lm.forward(tokens, start)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            lm.forward(tokens, start)
+            torch.cuda.synchronize()
+        kernels = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA" and e.device_time_total > 0:
+                kernels[e.name[:60]] = kernels.get(e.name[:60], 0.0) + e.device_time_total
+        profiles.append(dict(shape=shape, bit_exact=exact, us=sum(kernels.values()),
+                             kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:10])))
+        print(profiles[-1], flush=True)
     del model, lm
     torch.cuda.empty_cache()
 for r in rows:
@@ -61,13 +77,14 @@ for r in rows:
         base = next(b for b in rows if not b["bit_exact"] and all(b[k] == r[k] for k in ("shape", "batch", "width")))
         r["ratio_to_default"] = r["seconds"] / base["seconds"]
         print(f"{r['shape']} batch {r['batch']} width {r['width']}: bit-exact / default = {r['ratio_to_default']:.3f}")
-json.dump(dict(device=torch.cuda.get_device_name(), context=512, rows=rows), open(sys.argv[1], "w"), indent=1)
+json.dump(dict(device=torch.cuda.get_device_name(), context=512, rows=rows, eager_profiles=profiles),
+          open(sys.argv[1], "w"), indent=1)
 PY
 stamp "forward cost exit $?"
 fi
 if want maps; then
-stamp "map cost"  # each linear map of the Qwen2.5-1.5B shape alone, graph replays, both modes, 1/5/40 rows
-timeout 200 python3 - "$out/exact_maps.json" > "$out/exact_maps.log" 2>&1 <<'PY'
+stamp "map cost"  # each linear map of the Qwen2.5-1.5B shape alone, graph replays, both modes, 1/5/8/40 rows
+timeout 240 python3 - "$out/exact_maps.json" > "$out/exact_maps.log" 2>&1 <<'PY'
 import json, sys, torch
 import torch.nn.functional as F
 from flashspec.bench.timing import graph_replay_seconds
@@ -79,20 +96,27 @@ maps = {"qkv": dict(n=2048, k=1536, norm=True, bias=True), "o": dict(n=1536, k=1
 rows_out = []
 for name, m in maps.items():
     n, k, gated = m["n"], m["k"], m.get("gated", False)
-    w = torch.randn(2 * n if gated else n, k, device=dev, dtype=bf16) / k ** 0.5
-    bias = torch.randn(w.shape[0], device=dev, dtype=bf16) if m.get("bias") else None
+    # as many copies as the model has layers (the head: 2), each read once per replay: the weights come
+    # from memory, not from L2, as in a forward
+    copies = 2 if name == "head" else 28
+    ws = [torch.randn(2 * n if gated else n, k, device=dev, dtype=bf16) / k ** 0.5 for _ in range(copies)]
+    bs = [torch.randn(w.shape[0], device=dev, dtype=bf16) if m.get("bias") else None for w in ws]
     g = torch.ones(k, device=dev, dtype=bf16) if m.get("norm") else None
-    for rows in (1, 5, 40):
+    for rows in (1, 5, 8, 40):
         x = torch.randn(rows, k, device=dev, dtype=bf16)
         r = torch.randn(rows, n, device=dev, dtype=bf16) if m.get("residual") else None
-        call = lambda exact: decode_linear(x, w, bias, g, 1e-6, r, gated, exact=exact)  # noqa: E731
+        calls = lambda f: [lambda w=w, b=b: f(w, b) for w, b in zip(ws, bs)]  # noqa: E731
+        exact = lambda w, b: decode_linear(x, w, b, g, 1e-6, r, gated, exact=True)  # noqa: E731
         # the default: decode_linear up to 16 rows, cuBLAS beyond (the norm and epilogue not counted)
-        default = (lambda: call(False)) if rows <= MAX_ROWS else (lambda: F.linear(x, w, bias))
-        t_default = graph_replay_seconds([default] * 20)
-        t_exact = graph_replay_seconds([lambda: call(True)] * 20)
+        default = ((lambda w, b: decode_linear(x, w, b, g, 1e-6, r, gated)) if rows <= MAX_ROWS
+                   else (lambda w, b: F.linear(x, w, b)))
+        t_default = graph_replay_seconds(calls(default))
+        t_exact = graph_replay_seconds(calls(exact))
         rows_out.append(dict(map=name, n=n, k=k, rows=rows, splits=exact_splits(n, k, dev)[0],
                              default_us=t_default * 1e6, exact_us=t_exact * 1e6, ratio=t_exact / t_default))
         print(rows_out[-1], flush=True)
+    del ws
+    torch.cuda.empty_cache()
 json.dump(dict(device=torch.cuda.get_device_name(), rows=rows_out), open(sys.argv[1], "w"), indent=1)
 PY
 stamp "map cost exit $?"

@@ -53,29 +53,26 @@ matrices, the interpreter) one fixed configuration serves every ``M``, and every
 **Bit-exact mode** (``exact=True``, SPEC.md §14). Every call runs the tensor-core inner product,
 one or many 16-row tiles (``ceil(M / 16)`` programs per column block, so ``M`` is not capped at
 16; they are adjacent in the grid, run together and share the block's weights through L2), with
-one K tile (``EXACT_BLOCK_K``) and column tiles chosen per ``(N, K)`` and options for every ``M``
-(its own autotuning class, 3). A narrow map (too few 16-column tiles to give each SM two
-programs: Qwen2.5-1.5B's o and down projections have 96) has its ``K`` split into ``S`` chunks of
-whole K tiles (:func:`exact_splits`, a function of ``N``, ``K`` and the GPU alone); each program
-writes its chunk's float32 sums, and a second kernel adds the ``S`` of them in chunk order before
-the epilogue (bias, SiLU·up, residual). Row ``m``'s result is then computed by the same
-instructions whatever ``M`` is and wherever ``m`` falls in its tile — ``tl.dot``'s per-element
-accumulation does not depend on the tile's other rows, the chunks and their order do not depend
-on ``M``, and the RMSNorm of the rows is a per-row sum over the same ``[16, BLOCK_K]`` tiles — so
-a token's outputs are bit-identical in a 1-row forward and in a wider one.
+one K tile (``EXACT_BLOCK_K``) and a column tile and pipeline depth chosen per ``(N, K)`` and
+options for every ``M`` (its own autotuning class, 3). Row ``m``'s result is then computed by the
+same instructions whatever ``M`` is and wherever ``m`` falls in its tile — ``tl.dot``'s
+per-element accumulation does not depend on the tile's other rows, and the RMSNorm of the rows is
+a per-row sum over the same ``[16, BLOCK_K]`` tiles — so a token's outputs are bit-identical in a
+1-row forward and in a wider one. Neither the column tile nor the pipeline depth changes a bit
+(each column's chain of tensor-core steps over ``K`` is the same), so two processes agree too.
+Narrow maps keep their whole ``K`` per program: splitting ``K`` into chunks summed by a second
+kernel was measured slower on every map of the Qwen2.5-1.5B shape (an H100, BENCHMARKS.md,
+issue 22), while a deeper pipeline (5 stages) made the 1,536-column maps up to 1.5× faster.
 
-Grid and traffic: ``ceil(N / BLOCK_N)`` programs (times the row tiles and K chunks in bit-exact
-mode); each reads its ``BLOCK_N`` weight rows once (``2·BLOCK_N`` for ``gated``) and the
-``M ≤ 16`` input rows from L2. Weights are read from memory once per call: ``N·K·b`` bytes
-(``2·N·K·b`` gated), the floor (split sums add ``S·M·N·4`` bytes written and read). No atomics:
-results are deterministic. On CUDA the tile sizes of matrices of at least 2²⁰ elements are
-autotuned once per ``(N, K)``, options and row class (one row, several, bit-exact); smaller ones
-(tests) take one fixed tile.
+Grid and traffic: ``ceil(N / BLOCK_N)`` programs (times the row tiles in bit-exact mode); each
+reads its ``BLOCK_N`` weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows
+from L2. Weights are read from memory once per call: ``N·K·b`` bytes (``2·N·K·b`` gated), the floor. No atomics, no
+split-K: results are deterministic. On CUDA the tile sizes of matrices of at least 2²⁰ elements
+are autotuned once per ``(N, K)``, options and row class (one row, several, bit-exact); smaller
+ones (tests) take one fixed tile.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -89,9 +86,8 @@ _TUNED_SIZE = 1 << 20  # weights of at least this many elements get their tiles 
 # The configuration of smaller matrices and of the interpreter (tests switch USE_DOT to cover both).
 _FIXED = {"USE_DOT": False, "BLOCK_N": 4, "BLOCK_K": 32}
 _FIXED_EXACT = {"USE_DOT": True, "BLOCK_N": 16, "BLOCK_K": 32}  # bit-exact mode: tensor-core tiles only
-EXACT_BLOCK_K = 256  # bit-exact mode's one K tile on CUDA (its autotuning class varies the column tiles only)
+EXACT_BLOCK_K = 256  # bit-exact mode's one K tile on CUDA (its autotuning class varies column tiles and stages)
 ROW_TILE = 16  # rows per tensor-core tile
-_FINISH_N = 128  # columns per program of the split sums' finishing kernel
 
 
 def available(x: torch.Tensor) -> bool:
@@ -179,64 +175,21 @@ def _launch(
     # The kernel reads bias and norm weights with unit stride: strided views are copied first.
     bias = bias.contiguous() if bias is not None else None
     norm_weight = norm_weight.contiguous() if norm_weight is not None else None
-    # Bit-exact mode: K split into `splits` chunks fixed by (N, K, the GPU) — never by M — whose
-    # float32 partial sums the finishing kernel adds in order (module docstring).
-    splits, chunk = exact_splits(n, k, x.device) if exact else (1, k)
-    part = torch.empty((splits, m, 2 * n if gated else n), dtype=torch.float32, device=x.device) \
-        if splits > 1 else out
     args = (rows, weight, bias if bias is not None else out, norm_weight if norm_weight is not None else rows,
-            res, out, part, m, n, k, float(eps), rows.stride(0), weight.stride(0), splits, chunk,
-            _row_class(m, exact))
+            res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0), _row_class(m, exact))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-                 GATED=bool(gated), UPCAST=not x.is_cuda, SPLIT=splits > 1, PDL=pdl.enabled(x.device),
-                 **pdl.launch_options(x.device))
-    # One program per (column block, K chunk, row tile), the row tiles of a column block side by
-    # side so they run together and read its weights from L2 (bit-exact mode; M ≤ 16 is one tile).
-    programs = (triton.cdiv(m, ROW_TILE) if exact else 1) * splits
+                 GATED=bool(gated), UPCAST=not x.is_cuda, PDL=pdl.enabled(x.device), **pdl.launch_options(x.device))
+    # One program per (column block, row tile), the row tiles of a column block side by side so
+    # they run together and read its weights from L2 (bit-exact mode; M ≤ 16 is one tile).
+    row_tiles = triton.cdiv(m, ROW_TILE) if exact else 1
     if x.is_cuda and n * k >= _TUNED_SIZE:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * programs,)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * row_tiles,)  # noqa: E731
         _tuned[grid](*args, **flags)
     else:  # small matrices (tests) and the interpreter: one fixed configuration
         config = dict(_FIXED_EXACT if exact else _FIXED)
-        config["BLOCK_K"] = _chunk_unit(x.device) if exact else (256 if x.is_cuda else config["BLOCK_K"])
-        _decode_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]) * programs,)](*args, **flags, **config)
-    if splits > 1:
-        _finish_kernel[(triton.cdiv(n, _FINISH_N), triton.cdiv(m, ROW_TILE))](
-            part, bias if bias is not None else out, res, out, m, n, splits,
-            HAS_BIAS=bias is not None, RESIDUAL=residual is not None, GATED=bool(gated), BLOCK_N=_FINISH_N)
+        config["BLOCK_K"] = 256 if x.is_cuda else config["BLOCK_K"]
+        _decode_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]) * row_tiles,)](*args, **flags, **config)
     return out.view(*x.shape[:-1], n)
-
-
-def _chunk_unit(device: torch.device) -> int:
-    """Bit-exact mode's BLOCK_K (every configuration of its class, SPEC.md §14): K chunks are
-    whole multiples of it. 32 under the interpreter (CPU tests)."""
-    return EXACT_BLOCK_K if device.type == "cuda" else 32
-
-
-def exact_splits(n: int, k: int, device: torch.device) -> tuple[int, int]:
-    """``(splits, chunk)``: bit-exact mode's split of the inner dimension ``K`` of an ``[N, K]``
-    map into ``splits`` chunks of ``chunk`` (a whole number of K tiles; the last may be short),
-    enough that the narrowest tiles (16 columns) with their chunks make about two programs per
-    SM. A function of ``N``, ``K`` and the GPU only — never of the row count — so every row
-    count adds the same partial sums in the same order (SPEC.md §14)."""
-    unit = _chunk_unit(device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        target = 2 * _sm_count(index)
-    else:
-        target = 8  # the interpreter: few programs, and splits that tests exercise
-    columns = triton.cdiv(n, 16)
-    tiles = triton.cdiv(k, unit)
-    if columns >= target or tiles < 2:
-        return 1, k
-    splits = min(triton.cdiv(target, columns), tiles)
-    chunk = triton.cdiv(tiles, splits) * unit
-    return triton.cdiv(k, chunk), chunk
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _row_class(rows: int, exact: bool = False) -> int:
@@ -290,17 +243,16 @@ _OP = _register()
 if triton is not None:
 
     @triton.jit
-    def _dot_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, k_start, k_stop, x_sm, w_sn,
+    def _dot_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, x_sm, w_sn,
                   NORM: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-        """Tensor-core variant: the rows as one 16-row tile (padded), ``tl.dot`` per K block over
-        ``k_start .. k_stop`` (past ``K``: masked, exact zeros)."""
+        """Tensor-core variant: the rows as one 16-row tile (padded), ``tl.dot`` per K block."""
         rk = tl.arange(0, BLOCK_K)
         m_live = rm < M
         n_live = rn < N
         acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_start, k_stop, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_live = kk < K
             h = tl.load(x_ptr + rm[:, None] * x_sm + kk[None, :], mask=m_live[:, None] & k_live[None, :], other=0.0)
@@ -351,13 +303,13 @@ if triton is not None:
             y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=out_mask)
 
-    @triton.jit(do_not_specialize=["M", "eps", "splits", "chunk", "row_class"])
+    @triton.jit(do_not_specialize=["M", "eps", "row_class"])
     def _decode_linear_kernel(
-        x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, part_ptr,
-        M, N, K, eps, x_sm, w_sn, splits, chunk, row_class,
+        x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
+        M, N, K, eps, x_sm, w_sn, row_class,
         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
         USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-        SPLIT: tl.constexpr, PDL: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program ``i·T + t`` (``T = ceil(M / 16)`` row tiles): output columns ``i·BLOCK_N ..`` of
         every row (``M ≤ 16``, ``T = 1``), or of the rows ``16·t ..`` (bit-exact mode, tensor-core
@@ -365,12 +317,7 @@ if triton is not None:
         (:mod:`flashspec.kernels.pdl`) it waits for the previous kernel before reading or writing anything."""
         row_tiles = (M + 15) // 16
         tile = tl.program_id(0) % row_tiles
-        if SPLIT:  # bit-exact mode's narrow maps: a K chunk per program too
-            split = (tl.program_id(0) // row_tiles) % splits
-            rn = (tl.program_id(0) // (row_tiles * splits)) * BLOCK_N + tl.arange(0, BLOCK_N)
-        else:
-            split = 0
-            rn = (tl.program_id(0) // row_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = (tl.program_id(0) // row_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_live = rn < N
         dtype = y_ptr.dtype.element_ty
         if PDL:
@@ -382,24 +329,9 @@ if triton is not None:
             rstd = tl.zeros([16], dtype=tl.float32)
             if NORM:
                 rstd = _rms(x_ptr, rm, m_live, K, x_sm, eps, BLOCK_K)
-            if SPLIT:
-                k_start = split * chunk
-                k_stop = k_start + chunk
-            else:  # the whole of K, as the kernel ran before splits existed
-                k_start = 0
-                k_stop = K
-            acc, acc_up = _dot_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, k_start, k_stop,
-                                    x_sm, w_sn, NORM, GATED, UPCAST, BLOCK_N, BLOCK_K, dtype)
-            if SPLIT:  # this chunk's float32 sums into part [splits, M, N (2N gated)]; _finish_kernel adds them
-                width = 2 * N if GATED else N
-                at = part_ptr + (split * M + rm)[:, None] * width + rn[None, :]
-                live = m_live[:, None] & n_live[None, :]
-                tl.store(at, acc, mask=live)
-                if GATED:
-                    tl.store(at + N, acc_up, mask=live)
-            else:
-                _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rm, rn, m_live, n_live, N, HAS_BIAS, RESIDUAL, GATED,
-                        dtype)
+            acc, acc_up = _dot_rows(x_ptr, w_ptr, nw_ptr, rm, rn, rstd, M, N, K, x_sm, w_sn,
+                                    NORM, GATED, UPCAST, BLOCK_N, BLOCK_K, dtype)
+            _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rm, rn, m_live, n_live, N, HAS_BIAS, RESIDUAL, GATED, dtype)
         else:  # one row after another: float32 products summed element-wise, one reduction per row
             rk = tl.arange(0, BLOCK_K)
             m = 0
@@ -430,32 +362,14 @@ if triton is not None:
                 _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rm, rn, m_live, n_live, N, HAS_BIAS, RESIDUAL, GATED, dtype)
                 m += 1
 
-    @triton.jit(do_not_specialize=["M", "splits"])
-    def _finish_kernel(part_ptr, b_ptr, r_ptr, y_ptr, M, N, splits,
-                       HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Bit-exact mode's split sums: program ``(i, t)`` adds the ``splits`` float32 partial sums
-        of rows ``16·t ..``, columns ``i·BLOCK_N ..`` in chunk order, then the usual epilogue."""
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.program_id(1) * 16 + tl.arange(0, 16)
-        m_live = rm < M
-        n_live = rn < N
-        live = m_live[:, None] & n_live[None, :]
-        width = 2 * N if GATED else N
-        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        for s in range(0, splits):
-            at = part_ptr + (s * M + rm)[:, None] * width + rn[None, :]
-            acc += tl.load(at, mask=live, other=0.0)
-            if GATED:
-                acc_up += tl.load(at + N, mask=live, other=0.0)
-        _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rm, rn, m_live, n_live, N, HAS_BIAS, RESIDUAL, GATED,
-                y_ptr.dtype.element_ty)
-
     def _configs() -> list:
         """CUDA-core tiles for one row (1 to 8 weight rows per program, so small matrices still
         spread over every SM) and tensor-core tiles (16 padded rows) for several: the winners of
         a sweep on an H200 (docs/lab/NOTES.md, probe 12), where 8-warp tensor-core tiles, 16-row
-        CUDA-core tiles and loading the next weight block ahead never won."""
+        CUDA-core tiles and loading the next weight block ahead never won. Bit-exact mode (class 3)
+        takes the tensor-core tiles of one K block (``EXACT_BLOCK_K``) with 3 or 5 stages: on an
+        H100, 5 stages made its 1-row Qwen2.5-1.5B down projection 1.45× and o projection 1.14×
+        faster, 3 its output head 1.05× (BENCHMARKS.md, issue 22)."""
         configs = []
         for block_n, block_k, warps in ((1, 2048, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
                                         (4, 2048, 4), (8, 512, 4), (8, 512, 8), (8, 1024, 4)):
@@ -464,16 +378,22 @@ if triton is not None:
         for block_n, block_k in ((16, 256), (16, 512), (32, 256), (32, 512), (64, 256)):
             configs.append(triton.Config({"USE_DOT": True, "BLOCK_N": block_n, "BLOCK_K": block_k},
                                          num_warps=4, num_stages=3))
+        for block_n in (16, 32, 64):  # bit-exact mode only (_prune)
+            configs.append(triton.Config({"USE_DOT": True, "BLOCK_N": block_n, "BLOCK_K": EXACT_BLOCK_K},
+                                         num_warps=4, num_stages=5))
         return configs
 
     def _prune(configs, named_args, **kwargs):
         """The inner product of the row class (CUDA cores for one row, tensor cores for several),
-        tiles no wider than the matrix (the narrowest one kept for small N)."""
-        use_dot = named_args["row_class"] != 1  # 2: several rows; 3: bit-exact mode
+        tiles no wider than the matrix (the narrowest one kept for small N). Bit-exact mode: one
+        K block, 3 or 5 stages; several rows by default: 3 stages."""
+        row_class = named_args["row_class"]
         n = named_args["N"]
-        kind = [c for c in configs if c.kwargs["USE_DOT"] == use_dot]
-        if named_args["row_class"] == 3:  # bit-exact mode: one K tile, the one its K chunks are made of
+        kind = [c for c in configs if c.kwargs["USE_DOT"] == (row_class != 1)]
+        if row_class == 3:
             kind = [c for c in kind if c.kwargs["BLOCK_K"] == EXACT_BLOCK_K]
+        elif row_class == 2:
+            kind = [c for c in kind if c.num_stages == 3]
         kept = [c for c in kind if c.kwargs["BLOCK_N"] <= max(n, 16)]
         return kept or kind[:1]
 

@@ -119,60 +119,23 @@ def test_exact_mode_any_row_count_is_row_invariant(rows, n, k, flags, seed):
     assert torch.equal(decode_linear(**alone, exact=True), full[last:])
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_exact_mode_splits_k_and_stays_row_invariant(gated):
-    """A narrow map in bit-exact mode splits K into chunks (SPEC.md §14): the chunks' partial sums
-    are added in order by a second kernel, and a row's result is still bit-identical alone, in 5
-    rows, in 17 (two row tiles) and in 40."""
-    from flashspec.kernels.decode_linear import exact_splits
-
-    assert exact_splits(24, 100, torch.device("cpu")) == (4, 32)
-    problem = _problem(40, 24, 100, torch.bfloat16, True, True, True, gated)
-    full = decode_linear(**problem, exact=True)
-    _assert_close(full, decode_linear_reference(**problem), problem)
-    for rows in (1, 5, 17):
-        part = dict(problem, x=problem["x"][:rows], residual=problem["residual"][:rows])
-        assert torch.equal(decode_linear(**part, exact=True), full[:rows])
-
-
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 200_000), k=st.integers(1, 20_000), sms=st.integers(1, 200))
-def test_exact_splits_are_whole_k_tiles_chosen_without_the_rows(n, k, sms):
-    """``exact_splits(N, K, device)`` (no row count in its signature: the invariance): the chunks
-    cover K exactly once, each a whole number of K tiles, the last possibly short; narrow maps
-    split, maps with two 16-column tiles per SM or more do not."""
-    import flashspec.kernels.decode_linear as module
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(module, "_sm_count", lambda index: sms)
-        splits, chunk = module.exact_splits(n, k, torch.device("cuda", 0))
-    assert splits >= 1
-    if splits == 1:
-        assert chunk >= k
-    else:
-        assert chunk % module.EXACT_BLOCK_K == 0 and (splits - 1) * chunk < k <= splits * chunk
-    columns = -(-n // 16)
-    if columns >= 2 * sms:
-        assert splits == 1
-    if columns < 2 * sms and k >= 2 * module.EXACT_BLOCK_K:
-        assert splits >= 2
-
-
 @pytest.mark.parametrize("n,k,gated", [(48, 100, False), (40, 72, True)] + (
     [(1536, 1536, False), (1536, 8960, False), (8960, 1536, True)] if CUDA else []))
 def test_exact_mode_column_tiles_do_not_change_any_bit(n, k, gated, monkeypatch):
-    """Bit-exact mode's autotuning class varies the column tile only (SPEC.md §14): each column's
-    chain of tensor-core steps over K is the same in a 16-, 32- or 64-column tile, so whichever
-    tile a process's autotuner picks, the bits agree (and two processes agree)."""
+    """Bit-exact mode's autotuning class varies the column tile and the pipeline depth only
+    (SPEC.md §14): each column's chain of tensor-core steps over K is the same in a 16-, 32- or
+    64-column tile, loaded 3 or 5 blocks ahead, so whichever a process's autotuner picks, the
+    bits agree (and two processes agree)."""
     import flashspec.kernels.decode_linear as module
 
     monkeypatch.setattr(module, "_TUNED_SIZE", float("inf"))  # the fixed configuration, patched below
     problem = _problem(21, n, k, torch.bfloat16, True, True, True, gated)
     outs = []
-    for block_n in (16, 32, 64):
+    for block_n, stages in ((16, 3), (32, 3), (64, 3), (16, 5), (32, 5)):
         monkeypatch.setitem(module._FIXED_EXACT, "BLOCK_N", block_n)
+        monkeypatch.setitem(module._FIXED_EXACT, "num_stages", stages)
         outs.append(decode_linear(**problem, exact=True))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 def test_exact_mode_runs_tensor_core_tiles_for_one_row_too(monkeypatch):
@@ -184,8 +147,11 @@ def test_exact_mode_runs_tensor_core_tiles_for_one_row_too(monkeypatch):
     assert module._row_class(1) == 1 and module._row_class(5) == 2
     configs = module._prune(module._configs(), {"row_class": 3, "N": 4096})
     assert configs and all(c.kwargs["USE_DOT"] for c in configs)
-    # one K tile for the class: K chunks are whole tiles, and the tile choice cannot change a sum
+    # one K tile for the class, 3 or 5 stages (neither changes a bit: the test above); the default's
+    # several-row class keeps its 3-stage tiles
     assert {c.kwargs["BLOCK_K"] for c in configs} == {module.EXACT_BLOCK_K}
+    assert {c.num_stages for c in configs} == {3, 5}
+    assert {c.num_stages for c in module._prune(module._configs(), {"row_class": 2, "N": 4096})} == {3}
 
 
 def test_leading_axes_and_weight_slices():

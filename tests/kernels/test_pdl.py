@@ -60,7 +60,8 @@ def _forward_logits(lm, width: int) -> list[torch.Tensor]:
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("width", [1, 5])
-def test_forward_bit_identical_with_and_without_pdl(monkeypatch, width):
+@pytest.mark.parametrize("bit_exact", [False, True])
+def test_forward_bit_identical_with_and_without_pdl(monkeypatch, width, bit_exact):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from flashspec.cache import StaticLM
@@ -68,10 +69,14 @@ def test_forward_bit_identical_with_and_without_pdl(monkeypatch, width):
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("this GPU or Triton has no programmatic dependent launch")
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    hidden, inner = (512, 1024) if bit_exact else (64, 96)  # bit-exact mode: several K tiles per map
+    config = Qwen2Config(vocab_size=128, hidden_size=hidden, intermediate_size=inner, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     lm = StaticLM(Qwen2ForCausalLM(config).to("cuda", torch.bfloat16).eval())
-    lm.decode_maps = lm.decode_maps_wide = {"qkv", "o", "gate_up", "down"}  # every decode kernel
+    if bit_exact:
+        lm.bit_exact = True
+    else:
+        lm.decode_maps = lm.decode_maps_wide = {"qkv", "o", "gate_up", "down"}  # every decode kernel
     with_pdl = _forward_logits(lm, width)
     monkeypatch.setattr(pdl, "ENABLED", False)
     without = _forward_logits(lm, width)
