@@ -86,9 +86,9 @@ class SpeculativeEngine:
             whether they feed one token or ``γ + 1`` per sequence and whatever else the batch
             holds (SPEC.md §14), so greedy output equals target-only greedy output token for
             token in bfloat16 too, not only in float32. Llama, Qwen2, Qwen3 and Mistral targets in 16
-            bits on a CUDA GPU with Triton; elsewhere ``ValueError`` says why. Off by default: it runs slower
-            kernels for one-token forwards (target-only decoding at 0.68–0.87× on an H100, BENCHMARKS.md,
-            issue 22).
+            bits on a CUDA GPU with Triton; elsewhere ``ValueError`` says why. Off by default: its one-token
+            forwards are slower (target-only decoding at 0.68–0.87× on an H100, 0.61× on an H200,
+            BENCHMARKS.md, issue 22).
     """
 
     def __init__(
