@@ -62,7 +62,7 @@ a per-row sum over the same ``[16, BLOCK_K]`` tiles — so a token's outputs are
 (each column's chain of tensor-core steps over ``K`` is the same), so two processes agree too.
 Narrow maps keep their whole ``K`` per program: splitting ``K`` into chunks summed by a second
 kernel was measured slower on every map of the Qwen2.5-1.5B shape (an H100, BENCHMARKS.md,
-issue 22), while a deeper pipeline (5 stages) made the 1,536-column maps up to 1.5× faster.
+issue 22), while a deeper pipeline (5 stages) made the 1,536-column maps up to 1.45× faster.
 
 Grid and traffic: ``ceil(N / BLOCK_N)`` programs (times the row tiles in bit-exact mode); each
 reads its ``BLOCK_N`` weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows
