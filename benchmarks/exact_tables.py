@@ -94,7 +94,7 @@ def forward(path: str) -> None:
               f"| {r['seconds'] * 1e3:.3f} | {f'{ratio:.2f}×' if ratio else '1.00×'} |")
     profiles = data.get("eager_profiles", [])
     if profiles:
-        print("\nOne eager one-token forward: device time per kernel (µs), the ten largest\n")
+        print("\nOne eager one-token forward: device time per kernel (µs), the four largest\n")
         print("| shape | mode | all kernels | largest kernels |\n|---|---|---|---|")
         for p in profiles:
             top = ", ".join(f"{name.split('<')[0][:40]} {us:.0f}" for name, us in list(p["kernels"].items())[:4])
