@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Joins the pieces, checks them, starts s28.sh in its own session, then polls.
+# Joins the pieces, checks them, starts s29.sh in its own session, then polls.
+# (device_carry/s29.sh is launch.sh in this folder; the 32 pieces: split -b 48m of target.gguf + draft.gguf)
 n=$(ls /tmp/pieces 2>/dev/null | wc -l); [ "$n" = 32 ] || { echo "pieces: $n of 32"; ls /tmp/pieces; exit 3; }
 mkdir -p /tmp/models && cat /tmp/pieces/pair.* > /tmp/pair.bin || exit 3
 head -c 1117320768 /tmp/pair.bin > /tmp/models/target.gguf && tail -c +1117320769 /tmp/pair.bin > /tmp/models/draft.gguf
