@@ -8,8 +8,9 @@
 # Cases: the demo pair on chat-formatted held-out requests (batch 1 and 8) and on held-out corpus
 # text (batch 1), 8 prompts per domain (24); then the cost of one target forward in each mode
 # (CUDA-graph replays, random weights of the Qwen2.5-1.5B and Llama-3-8B shapes, 1 or 5 tokens for
-# 1 or 8 sequences after 512 cached positions, programmatic dependent launch on and off, and each
-# kernel's share of one eager one-token forward: OUTDIR/exact_forward.json) and of each linear map
+# 1 or 8 sequences after 512 cached positions, programmatic dependent launch on and off, each
+# kernel's share of one eager one-token forward and the kernel timeline of one-token graph replays:
+# OUTDIR/exact_forward.json) and of each linear map
 # of the Qwen2.5-1.5B shape alone at 1, 5, 8 and 40 rows, cold weights (OUTDIR/exact_maps.json);
 # last the Llama-3-8B shape with random weights end to end (--shaped, batch 1).
 # Expects the pair as bf16 folders in /tmp/hf/{target,draft}: run
@@ -45,8 +46,9 @@ import json, sys, torch
 from flashspec.bench.gpu import shaped_model
 from flashspec.bench.timing import forward_seconds
 from flashspec.cache import StaticLM
+from flashspec.graphs import Graphs
 from flashspec.kernels import pdl
-rows, profiles = [], []
+rows, profiles, replays = [], [], []
 for shape in ("qwen2.5-1.5b", "llama3-8b"):
     model = shaped_model(shape)
     for exact in (False, True):
@@ -58,6 +60,28 @@ for shape in ("qwen2.5-1.5b", "llama3-8b"):
                 seconds = forward_seconds(lm, batch, width, context=512, iters=100)
                 rows.append(dict(shape=shape, bit_exact=exact, pdl=use_pdl, batch=batch, width=width, seconds=seconds))
                 print(rows[-1], flush=True)
+            # the kernel timeline inside one-token graph replays: the time in kernels against the span
+            graphs, tokens = Graphs(enabled=True), torch.zeros(1, 1, dtype=torch.long, device="cuda")
+            start = torch.full((1,), 512, device="cuda")
+            lm.reset(1, 520)
+            step = lambda: graphs.run("forward", lambda: lm.forward(tokens, start))  # noqa: E731
+            step(), step(), torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step()
+                torch.cuda.synchronize()
+            ks = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+                        if e.device_type.name == "CUDA" and e.device_time_total > 0)
+            busy, end, per = 0.0, None, {}
+            for a, b, name in ks:  # union of kernel intervals; per-name device time
+                busy += max(0.0, b - max(a, end if end is not None else a))
+                end = b if end is None else max(end, b)
+                per[name] = per.get(name, 0.0) + (b - a) / 5
+            replays.append(dict(shape=shape, bit_exact=exact, pdl=use_pdl, kernels=len(ks) / 5,
+                                span_us=(ks[-1][1] - ks[0][0]) / 5 if ks else None, busy_us=busy / 5,
+                                kernel_us=sum(per.values()),
+                                top=dict(sorted(per.items(), key=lambda kv: -kv[1])[:12])))
+            print(replays[-1], flush=True)
         pdl.ENABLED = True
         # where a one-token forward's time goes: device time per kernel name, one eager forward
         tokens, start = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.full((1,), 512, device="cuda")
@@ -81,7 +105,8 @@ for r in rows:  # against the default kernels with PDL on: what the engine runs 
     r["ratio_to_default"] = r["seconds"] / base["seconds"]
     print(f"{r['shape']} batch {r['batch']} width {r['width']} {'bit-exact' if r['bit_exact'] else 'default'} "
           f"PDL {'on' if r['pdl'] else 'off'}: / default (PDL on) = {r['ratio_to_default']:.3f}")
-json.dump(dict(device=torch.cuda.get_device_name(), context=512, rows=rows, eager_profiles=profiles),
+json.dump(dict(device=torch.cuda.get_device_name(), context=512, rows=rows, eager_profiles=profiles,
+               replay_timelines=replays),
           open(sys.argv[1], "w"), indent=1)
 PY
 stamp "forward cost exit $?"
