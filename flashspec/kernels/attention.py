@@ -246,7 +246,7 @@ def _launch(
     else:
         lse = part = out  # unused
     qk_scale = float(scale) * math.log2(math.e)
-    use_pdl = pdl.enabled(query.device)
+    use_pdl = pdl.enabled(query.device, exact)  # never in bit-exact mode (pdl.enabled)
     _split_kernel[(batch * kv_heads * m_blocks, splits)](
         query, keys, values, positions, out, lse, part,
         kv_heads, rows, width, groups, capacity, dim, m_blocks, splits, split_keys,
@@ -258,7 +258,7 @@ def _launch(
         qk_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split, PRECISION=precision,
         UPCAST=interpreted and query.dtype != torch.float32, INTERPRET=interpreted,
-        NUM_STAGES=NUM_STAGES, PDL=use_pdl, num_warps=warps, **pdl.launch_options(query.device),
+        NUM_STAGES=NUM_STAGES, PDL=use_pdl, num_warps=warps, **pdl.launch_options(query.device, exact),
     )
     if split:
         combine_rows = COMBINE_ROWS if COMBINE_ROWS is not None else (1 if query.is_cuda else 16)
@@ -268,7 +268,7 @@ def _launch(
             positions.stride(0), positions.stride(1),
             o_strides[0], o_strides[1], o_strides[2],
             ROWS=combine_rows, BLOCK_S=_block_s(capacity, keys.device, block_n), BLOCK_D=block_d,
-            PDL=use_pdl, num_warps=COMBINE_WARPS, **pdl.launch_options(query.device),
+            PDL=use_pdl, num_warps=COMBINE_WARPS, **pdl.launch_options(query.device, exact),
         )
     return out
 

@@ -178,7 +178,8 @@ def _launch(
     args = (rows, weight, bias if bias is not None else out, norm_weight if norm_weight is not None else rows,
             res, out, m, n, k, float(eps), rows.stride(0), weight.stride(0), _row_class(m, exact))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-                 GATED=bool(gated), UPCAST=not x.is_cuda, PDL=pdl.enabled(x.device), **pdl.launch_options(x.device))
+                 GATED=bool(gated), UPCAST=not x.is_cuda, PDL=pdl.enabled(x.device, exact),
+                 **pdl.launch_options(x.device, exact))
     # One program per (column block, row tile), the row tiles of a column block side by side so
     # they run together and read its weights from L2 (bit-exact mode; M ≤ 16 is one tile).
     row_tiles = triton.cdiv(m, ROW_TILE) if exact else 1

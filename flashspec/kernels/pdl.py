@@ -24,6 +24,11 @@ understood). Prefetching the next kernel's weights into L2 before the wait was t
 made things slower (docs/lab/NOTES.md, probe 15: the prefetched tiles of a 55 MB gate/up or a
 117 MB down projection evict one another before they are read).
 
+Bit-exact mode (SPEC.md §14) launches its linear maps and attention without PDL: its
+tensor-core tiles hold far more shared memory than the default's, and chained by PDL its
+one-token forward took 0.36 ms longer in a graph replay than launched plainly (an H100,
+BENCHMARKS.md, issue 22), while the default's gained 17 %.
+
 A kernel launched after one that does not take part (cuBLAS, inductor's) simply starts when that
 one ends. Without PDL support (older GPUs, the CPU interpreter, a Triton without ``launch_pdl``)
 the kernels compile without the wait and launch as usual.
@@ -69,15 +74,20 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def enabled(device: torch.device) -> bool:
+def enabled(device: torch.device, exact: bool = False) -> bool:
     """Whether kernels launched on ``device`` use PDL: :data:`ENABLED`, a CUDA device of compute
-    capability 9.0 or newer, and a Triton that supports it."""
-    if not ENABLED or device.type != "cuda":
+    capability 9.0 or newer, and a Triton that supports it — never for bit-exact mode's kernels
+    (``exact``, SPEC.md §14): its heavier tiles chained by PDL made a one-token graph replay of the
+    Qwen2.5-1.5B shape 1.28× the default's, launched plainly 1.04× (an H100, BENCHMARKS.md,
+    issue 22). Bit-exact mode's rotary kernel, which has no such flag, keeps PDL: between two
+    plain launches it starts when the one before it ends, as a plain launch does."""
+    if exact or not ENABLED or device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _supported(index)
 
 
-def launch_options(device: torch.device) -> dict[str, bool]:
-    """Keyword arguments for a Triton launch on ``device``: ``{"launch_pdl": True}`` with PDL."""
-    return {"launch_pdl": True} if enabled(device) else {}
+def launch_options(device: torch.device, exact: bool = False) -> dict[str, bool]:
+    """Keyword arguments for a Triton launch on ``device``: ``{"launch_pdl": True}`` with PDL
+    (:func:`enabled`)."""
+    return {"launch_pdl": True} if enabled(device, exact) else {}

@@ -28,6 +28,16 @@ def test_switch_off_means_plain_launches(monkeypatch):
     assert pdl.launch_options(torch.device("cuda", 0)) == {}
 
 
+def test_bit_exact_kernels_launch_plainly(monkeypatch):
+    """Bit-exact mode never uses PDL (SPEC §14: measured slower there); the default does where it can."""
+    monkeypatch.setattr(pdl, "_supported", lambda index: True)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    cuda = torch.device("cuda", 0)
+    assert pdl.enabled(cuda) and pdl.launch_options(cuda) == {"launch_pdl": True}
+    assert not pdl.enabled(cuda, exact=True)
+    assert pdl.launch_options(cuda, exact=True) == {}
+
+
 @pytest.mark.parametrize("value,expected", [(None, "True"), ("1", "True"), ("0", "False")])
 def test_environment_variable(value, expected):
     env = {k: v for k, v in os.environ.items() if k != "FLASHSPEC_PDL"}
@@ -69,7 +79,9 @@ def test_forward_bit_identical_with_and_without_pdl(monkeypatch, width, bit_exac
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("this GPU or Triton has no programmatic dependent launch")
     torch.manual_seed(0)
-    hidden, inner = (512, 1024) if bit_exact else (64, 96)  # bit-exact mode: several K tiles per map
+    # bit-exact mode: several K tiles per map; its maps and attention launch plainly either way, its
+    # rotary kernel with PDL or without
+    hidden, inner = (512, 1024) if bit_exact else (64, 96)
     config = Qwen2Config(vocab_size=128, hidden_size=hidden, intermediate_size=inner, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     lm = StaticLM(Qwen2ForCausalLM(config).to("cuda", torch.bfloat16).eval())
