@@ -10,7 +10,8 @@
 # (CUDA-graph replays, random weights of the Qwen2.5-1.5B and Llama-3-8B shapes, 1 or 5 tokens for
 # 1 or 8 sequences after 512 cached positions, programmatic dependent launch on and off, each
 # kernel's share of one eager one-token forward and the kernel timeline of one-token graph replays:
-# OUTDIR/exact_forward.json) and of each linear map
+# OUTDIR/exact_forward.json; compiled as the end-to-end cases run the target, FORWARD_COMPILE=0 not;
+# FORWARD_SHAPES and FORWARD_PDL_SETTINGS=1 (PDL on only) shrink it) and of each linear map
 # of the Qwen2.5-1.5B shape alone at 1, 5, 8 and 40 rows, cold weights (OUTDIR/exact_maps.json);
 # last the Llama-3-8B shape with random weights end to end (--shaped, batch 1).
 # Expects the pair as bf16 folders in /tmp/hf/{target,draft}: run
@@ -42,19 +43,20 @@ case_ exact_text_b1 "${pair[@]}" --batch-sizes 1 --prompts-per-domain ${PROMPTS:
 if want forward; then
 stamp "forward cost"  # one target forward replayed from a CUDA graph, both modes, widths and batches
 timeout 300 python3 - "$out/exact_forward.json" > "$out/exact_forward.log" 2>&1 <<'PY'
-import json, sys, torch
+import json, os, sys, torch
 from flashspec.bench.gpu import shaped_model
 from flashspec.bench.timing import forward_seconds
 from flashspec.cache import StaticLM
 from flashspec.graphs import Graphs
 from flashspec.kernels import pdl
 rows, profiles, replays = [], [], []
-for shape in ("qwen2.5-1.5b", "llama3-8b"):
+compiled = os.environ.get("FORWARD_COMPILE", "1") == "1"  # as `bench e2e --compile` runs the target
+for shape in os.environ.get("FORWARD_SHAPES", "qwen2.5-1.5b,llama3-8b").split(","):
     model = shaped_model(shape)
     for exact in (False, True):
-        lm = StaticLM(model)
+        lm = StaticLM(model, compile=compiled)
         lm.bit_exact = exact
-        for use_pdl in (True, False):  # programmatic dependent launch on (as the engine runs) and off
+        for use_pdl in (True, False)[:int(os.environ.get("FORWARD_PDL_SETTINGS", "2"))]:  # on (as the engine runs), off
             pdl.ENABLED = use_pdl      # read at every launch; each timing captures its own graph
             for batch, width in ((1, 1), (1, 5), (8, 1), (8, 5)):
                 seconds = forward_seconds(lm, batch, width, context=512, iters=100)
@@ -105,7 +107,7 @@ for r in rows:  # against the default kernels with PDL on: what the engine runs 
     r["ratio_to_default"] = r["seconds"] / base["seconds"]
     print(f"{r['shape']} batch {r['batch']} width {r['width']} {'bit-exact' if r['bit_exact'] else 'default'} "
           f"PDL {'on' if r['pdl'] else 'off'}: / default (PDL on) = {r['ratio_to_default']:.3f}")
-json.dump(dict(device=torch.cuda.get_device_name(), context=512, rows=rows, eager_profiles=profiles,
+json.dump(dict(device=torch.cuda.get_device_name(), context=512, compiled=compiled, rows=rows, eager_profiles=profiles,
                replay_timelines=replays),
           open(sys.argv[1], "w"), indent=1)
 PY

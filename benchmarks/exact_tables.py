@@ -85,7 +85,8 @@ def reports(paths: list[str]) -> None:
 def forward(path: str) -> None:
     """Forward times in both modes and the eager per-kernel profile of ``exact_forward.json``."""
     data = json.loads(Path(path).read_text())
-    print(f"\n{path}: {data['device']}, {data['context']} cached positions, CUDA-graph replays\n")
+    how = {True: "compiled, ", False: "not compiled, "}.get(data.get("compiled"), "")  # absent: not recorded
+    print(f"\n{path}: {data['device']}, {data['context']} cached positions, {how}CUDA-graph replays\n")
     print("| shape | mode | PDL | batch × tokens | ms | / default (PDL on) |\n|---|---|---|---|---|---|")
     for r in data["rows"]:
         mode = "bit-exact" if r["bit_exact"] else "default"
@@ -99,6 +100,17 @@ def forward(path: str) -> None:
         for p in profiles:
             top = ", ".join(f"{name.split('<')[0][:40]} {us:.0f}" for name, us in list(p["kernels"].items())[:4])
             print(f"| {p['shape']} | {'bit-exact' if p['bit_exact'] else 'default'} | {p['us']:.0f} | {top} |")
+
+
+    timelines = data.get("replay_timelines", [])
+    if timelines:
+        print("\nOne-token graph replays under the profiler, per forward: kernels, span (first start to last end), "
+              "busy (the union of kernel intervals) and the kernels' summed durations (µs; with PDL a kernel's "
+              "duration includes its wait)\n")
+        print("| shape | mode | PDL | kernels | span | busy | summed |\n|---|---|---|---|---|---|---|")
+        for t in timelines:
+            print(f"| {t['shape']} | {'bit-exact' if t['bit_exact'] else 'default'} | {'on' if t['pdl'] else 'off'} "
+                  f"| {t['kernels']:.0f} | {t['span_us']:.0f} | {t['busy_us']:.0f} | {t['kernel_us']:.0f} |")
 
 
 def probe(path: str) -> None:
