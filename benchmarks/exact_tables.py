@@ -12,10 +12,11 @@ From `flashspec bench e2e` reports (`e2e.md`) that ran both modes
 
 From `exact_forward.json` (benchmarks/exact_bf16_h200.sh's forward stage): each forward's time in
 both modes (with PDL on and off where measured) over the default's, and the device time of one
-eager one-token forward per kernel. From `probe.json` (session 29's map probe): each map's
-one-row time by K split and configuration.
+eager one-token forward per kernel, and the kernel timelines of one-token graph replays. From
+`exact_maps.json` (its maps stage): each linear map alone in both modes by row count. From
+`probe.json` (session 29's map probe): each map's one-row time by K split and configuration.
 
-Usage: python3 benchmarks/exact_tables.py FILE...   (e2e.md, exact_forward.json, probe.json)"""
+Usage: python3 benchmarks/exact_tables.py FILE...   (e2e.md, exact_forward.json, exact_maps.json, probe.json)"""
 
 import json
 import re
@@ -148,6 +149,20 @@ def probe(path: str) -> None:
         print(f"\nEager one-token forward, {mode}: {p['total_us']:.0f} µs of kernels")
 
 
+def maps(path: str) -> None:
+    """Each linear map alone, both modes, by row count (``exact_maps.json``, the maps stage)."""
+    data = json.loads(Path(path).read_text())
+    print(f"\n{path}: {data['device']}, each map alone, cold weights, CUDA-graph replays (µs per call)\n")
+    counts = sorted({r["rows"] for r in data["rows"]})
+    print("| map | " + " | ".join(f"{m} rows: default / bit-exact" for m in counts) + " |")
+    print("|---|" + "---|" * len(counts))
+    for name in dict.fromkeys(r["map"] for r in data["rows"]):
+        by_rows = {r["rows"]: r for r in data["rows"] if r["map"] == name}
+        cells = [f"{by_rows[m]['default_us']:.1f} / {by_rows[m]['exact_us']:.1f} ({by_rows[m]['ratio']:.2f}×)"
+                 if m in by_rows else "—" for m in counts]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main(paths: list[str]) -> None:
     markdown = [p for p in paths if p.endswith(".md")]
     if markdown:
@@ -157,6 +172,8 @@ def main(paths: list[str]) -> None:
             forward(path)
         elif path.endswith("probe.json"):
             probe(path)
+        elif path.endswith("exact_maps.json"):
+            maps(path)
 
 
 if __name__ == "__main__":

@@ -87,8 +87,8 @@ class SpeculativeEngine:
             holds (SPEC.md §14), so greedy output equals target-only greedy output token for
             token in bfloat16 too, not only in float32. Llama, Qwen2, Qwen3 and Mistral targets in 16
             bits on a CUDA GPU with Triton; elsewhere ``ValueError`` says why. Off by default: its one-token
-            forwards are slower (target-only decoding at 0.68–0.87× on an H100, 0.61× on an H200,
-            BENCHMARKS.md, issue 22).
+            forwards are slower (target-only decoding at 0.82–0.93× of the default's tokens/s on an
+            H100, BENCHMARKS.md, issue 22).
     """
 
     def __init__(

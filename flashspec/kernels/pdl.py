@@ -26,8 +26,9 @@ made things slower (docs/lab/NOTES.md, probe 15: the prefetched tiles of a 55 MB
 
 Bit-exact mode (SPEC.md §14) launches its linear maps and attention without PDL: its
 tensor-core tiles hold far more shared memory than the default's, and chained by PDL its
-one-token forward took 0.36 ms longer in a graph replay than launched plainly (an H100,
-BENCHMARKS.md, issue 22), while the default's gained 17 %.
+one-token forward of the Qwen2.5-1.5B shape replayed in 2.54 ms against 2.07 launched plainly,
+while PDL took the default's from 2.38 to 1.99 ms (an H100, not compiled; BENCHMARKS.md, issue 22).
+Why PDL slows these tiles is not known.
 
 A kernel launched after one that does not take part (cuBLAS, inductor's) simply starts when that
 one ends. Without PDL support (older GPUs, the CPU interpreter, a Triton without ``launch_pdl``)
@@ -77,9 +78,8 @@ def _supported(device_index: int) -> bool:
 def enabled(device: torch.device, exact: bool = False) -> bool:
     """Whether kernels launched on ``device`` use PDL: :data:`ENABLED`, a CUDA device of compute
     capability 9.0 or newer, and a Triton that supports it — never for bit-exact mode's kernels
-    (``exact``, SPEC.md §14): its heavier tiles chained by PDL made a one-token graph replay of the
-    Qwen2.5-1.5B shape 1.28× the default's, launched plainly 1.04× (an H100, BENCHMARKS.md,
-    issue 22). Bit-exact mode's rotary kernel, which has no such flag, keeps PDL: between two
+    (``exact``, SPEC.md §14): chained by PDL, its one-token forward of the Qwen2.5-1.5B shape
+    replayed in 2.54 ms, launched plainly in 2.07 (an H100, not compiled; BENCHMARKS.md, issue 22). Bit-exact mode's rotary kernel, which has no such flag, keeps PDL: between two
     plain launches it starts when the one before it ends, as a plain launch does."""
     if exact or not ENABLED or device.type != "cuda":
         return False

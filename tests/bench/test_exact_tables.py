@@ -30,3 +30,15 @@ def test_forward_and_probe_files():
     assert "| qwen2.5-1.5b | bit-exact | 1779 |" in out
     assert "| down | 1 → 13.8, 2 → 36.9, 3 → 28.9, 4 → 23.8, 6 → 22.7 | 20.0 (16 columns) | 13.8 (16 columns) |" in out
     assert "gave the same bits: True; a row of a 40-row call equalled the row alone: True" in out
+
+
+def test_session_30_run_and_replay_timelines():
+    s30 = RESULTS / "exact_bf16_h100_s30"
+    out = _tables(*sorted(s30.glob("exact_*/e2e.md")), s30 / "forward_compiled" / "exact_forward.json",
+                  s30 / "pdl_probe" / "exact_forward.json", s30 / "pdl_probe" / "exact_maps.json")
+    assert "bit-exact: 0 of 222 (prompt, arm) pairs differ" in out
+    assert "| exact_chat_b1 | target only | 585.95 (1.00×) | 481.36 (0.82×) | 0.82× |" in out
+    assert "512 cached positions, compiled, CUDA-graph replays" in out  # the recorded flag is printed
+    assert "| qwen2.5-1.5b | bit-exact | on | 1 × 1 | 2.067 | 1.31× |" in out
+    assert "| qwen2.5-1.5b | bit-exact | on | 203 | 2401 | 2398 | 3992 |" in out  # the PDL probe's timeline
+    assert "| down | 11.7 / 13.9 (1.19×) | 15.3 / 13.6 (0.89×) | 15.1 / 13.5 (0.90×) | 14.7 / 31.7 (2.16×) |" in out
