@@ -53,16 +53,14 @@ matrices, the interpreter) one fixed configuration serves every ``M``, and every
 **Bit-exact mode** (``exact=True``, SPEC.md §14). Every call runs the tensor-core inner product,
 one or many 16-row tiles (``ceil(M / 16)`` programs per column block, so ``M`` is not capped at
 16; they are adjacent in the grid, run together and share the block's weights through L2), with
-one K tile (``EXACT_BLOCK_K``) and a column tile and pipeline depth chosen per ``(N, K)``,
-options and row bucket (its own autotuning classes: 3 for one row tile, 4 for several; tiles
-chosen on one row made a 40-row forward of the Qwen2.5-1.5B shape 1.27× slower than tiles
-chosen on 40 rows, and those a 1-row forward 1.12× slower: an H100, BENCHMARKS.md, issue 22).
-Row ``m``'s result is then computed by the same instructions whatever ``M`` is and wherever
-``m`` falls in its tile — ``tl.dot``'s per-element accumulation does not depend on the tile's
-other rows, and the RMSNorm of the rows is a per-row sum over the same ``[16, BLOCK_K]`` tiles —
-so a token's outputs are bit-identical in a 1-row forward and in a wider one. Neither the column
-tile nor the pipeline depth changes a bit (each column's chain of tensor-core steps over ``K`` is
-the same), so the two buckets agree, as do two processes. Narrow maps keep their whole ``K`` per program: splitting ``K`` into chunks summed by a second
+one K tile (``EXACT_BLOCK_K``) and a column tile and pipeline depth chosen per ``(N, K)`` and
+options for every ``M`` (its own autotuning class, 3). Row ``m``'s result is then computed by the
+same instructions whatever ``M`` is and wherever ``m`` falls in its tile — ``tl.dot``'s
+per-element accumulation does not depend on the tile's other rows, and the RMSNorm of the rows is
+a per-row sum over the same ``[16, BLOCK_K]`` tiles — so a token's outputs are bit-identical in a
+1-row forward and in a wider one. Neither the column tile nor the pipeline depth changes a bit
+(each column's chain of tensor-core steps over ``K`` is the same), so two processes agree too.
+Narrow maps keep their whole ``K`` per program: splitting ``K`` into chunks summed by a second
 kernel was measured slower on every map of the Qwen2.5-1.5B shape (an H100, BENCHMARKS.md,
 issue 22), while a deeper pipeline (5 stages) made the 1,536-column maps up to 1.45× faster.
 
@@ -197,11 +195,10 @@ def _launch(
 
 def _row_class(rows: int, exact: bool = False) -> int:
     """The autotuner's row class: 1 for one token row (CUDA-core tiles), 2 for 2 to 16 rows
-    (tensor-core tiles); in bit-exact mode 3 for up to 16 rows (one row tile) and 4 for more
-    (several), both the same tensor-core product with one K tile: their column tiles and pipeline
-    depths may differ, which changes no bit (SPEC.md §14)."""
+    (tensor-core tiles), 3 for any number of rows in bit-exact mode (tensor-core tiles, one
+    configuration for every row count)."""
     if exact:
-        return 3 if rows <= ROW_TILE else 4
+        return 3
     return 1 if rows == 1 else 2
 
 
@@ -370,7 +367,7 @@ if triton is not None:
         """CUDA-core tiles for one row (1 to 8 weight rows per program, so small matrices still
         spread over every SM) and tensor-core tiles (16 padded rows) for several: the winners of
         a sweep on an H200 (docs/lab/NOTES.md, probe 12), where 8-warp tensor-core tiles, 16-row
-        CUDA-core tiles and loading the next weight block ahead never won. Bit-exact mode (classes 3, 4)
+        CUDA-core tiles and loading the next weight block ahead never won. Bit-exact mode (class 3)
         takes the tensor-core tiles of one K block (``EXACT_BLOCK_K``) with 3 or 5 stages: on an
         H100, 5 stages made its 1-row Qwen2.5-1.5B down projection 1.45× and o projection 1.14×
         faster, 3 its output head 1.05× (BENCHMARKS.md, issue 22)."""
@@ -394,7 +391,7 @@ if triton is not None:
         row_class = named_args["row_class"]
         n = named_args["N"]
         kind = [c for c in configs if c.kwargs["USE_DOT"] == (row_class != 1)]
-        if row_class >= 3:
+        if row_class == 3:
             kind = [c for c in kind if c.kwargs["BLOCK_K"] == EXACT_BLOCK_K]
         elif row_class == 2:
             kind = [c for c in kind if c.num_stages == 3]

@@ -140,19 +140,17 @@ def test_exact_mode_column_tiles_do_not_change_any_bit(n, k, gated, monkeypatch)
 
 def test_exact_mode_runs_tensor_core_tiles_for_one_row_too(monkeypatch):
     """In bit-exact mode a 1-row call runs the tensor-core product of several-row calls (its own
-    autotuning classes: one row tile, several), where the default runs CUDA cores."""
+    autotuning class, one tile for every row count), where the default runs CUDA cores."""
     import flashspec.kernels.decode_linear as module
 
-    assert module._row_class(1, exact=True) == module._row_class(16, exact=True) == 3
-    assert module._row_class(17, exact=True) == module._row_class(40, exact=True) == 4
+    assert module._row_class(1, exact=True) == module._row_class(40, exact=True) == 3
     assert module._row_class(1) == 1 and module._row_class(5) == 2
-    for row_class in (3, 4):
-        configs = module._prune(module._configs(), {"row_class": row_class, "N": 4096})
-        assert configs and all(c.kwargs["USE_DOT"] for c in configs)
-        # one K tile for both classes, 3 or 5 stages (neither the stages nor the column tile changes
-        # a bit: the test above); the default's several-row class keeps its 3-stage tiles
-        assert {c.kwargs["BLOCK_K"] for c in configs} == {module.EXACT_BLOCK_K}
-        assert {c.num_stages for c in configs} == {3, 5}
+    configs = module._prune(module._configs(), {"row_class": 3, "N": 4096})
+    assert configs and all(c.kwargs["USE_DOT"] for c in configs)
+    # one K tile for the class, 3 or 5 stages (neither changes a bit: the test above); the default's
+    # several-row class keeps its 3-stage tiles
+    assert {c.kwargs["BLOCK_K"] for c in configs} == {module.EXACT_BLOCK_K}
+    assert {c.num_stages for c in configs} == {3, 5}
     assert {c.num_stages for c in module._prune(module._configs(), {"row_class": 2, "N": 4096})} == {3}
 
 
