@@ -14,9 +14,11 @@ From `exact_forward.json` (benchmarks/exact_bf16_h200.sh's forward stage): each 
 both modes (with PDL on and off where measured) over the default's, and the device time of one
 eager one-token forward per kernel, and the kernel timelines of one-token graph replays. From
 `exact_maps.json` (its maps stage): each linear map alone in both modes by row count. From
-`probe.json` (session 29's map probe): each map's one-row time by K split and configuration.
+`probe.json` (session 29's map probe): each map's one-row time by K split and configuration. From
+`tiles.jsonl` (session 30's tile probe): forwards by the row count the mode's tiles were tuned on.
 
-Usage: python3 benchmarks/exact_tables.py FILE...   (e2e.md, exact_forward.json, exact_maps.json, probe.json)"""
+Usage: python3 benchmarks/exact_tables.py FILE...   (e2e.md, exact_forward.json, exact_maps.json, probe.json,
+                                                      tiles.jsonl)"""
 
 import json
 import re
@@ -163,6 +165,22 @@ def maps(path: str) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
+def tiles(path: str) -> None:
+    """Session 30's tile probe (``tiles.jsonl``, one line per process): forward times by the row
+    count bit-exact mode's tiles were tuned on, and the column tile and stages picked per map."""
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    print(f"\n{path}: {lines[0]['device']}, Qwen2.5-1.5B shape, bit-exact, not compiled, CUDA-graph replays (ms)\n")
+    shapes = list(lines[0]["ms"])
+    print("| tiles tuned on | " + " | ".join(f"{s.replace('x', ' × ')}" for s in shapes) + " | tiles (columns/stages): "
+          "qkv, o, gate/up, down, head |")
+    print("|---|" + "---|" * len(shapes) + "---|")
+    for line in lines:
+        picked = ", ".join(re.search(r"BLOCK_N: (\d+)", v).group(1) + "/" + re.search(r"num_stages: (\d+)", v).group(1)
+                           for v in line["picked"].values())
+        print(f"| {line['tuned_on_rows']} rows | " + " | ".join(f"{line['ms'][s]:.3f}" for s in shapes)
+              + f" | {picked} |")
+
+
 def main(paths: list[str]) -> None:
     markdown = [p for p in paths if p.endswith(".md")]
     if markdown:
@@ -174,6 +192,8 @@ def main(paths: list[str]) -> None:
             probe(path)
         elif path.endswith("exact_maps.json"):
             maps(path)
+        elif path.endswith("tiles.jsonl"):
+            tiles(path)
 
 
 if __name__ == "__main__":

@@ -35,10 +35,12 @@ def test_forward_and_probe_files():
 def test_session_30_run_and_replay_timelines():
     s30 = RESULTS / "exact_bf16_h100_s30"
     out = _tables(*sorted(s30.glob("exact_*/e2e.md")), s30 / "forward_compiled" / "exact_forward.json",
-                  s30 / "pdl_probe" / "exact_forward.json", s30 / "pdl_probe" / "exact_maps.json")
+                  s30 / "pdl_probe" / "exact_forward.json", s30 / "pdl_probe" / "exact_maps.json",
+                  s30 / "tile_probe" / "tiles.jsonl")
     assert "bit-exact: 0 of 222 (prompt, arm) pairs differ" in out
     assert "| exact_chat_b1 | target only | 585.95 (1.00×) | 481.36 (0.82×) | 0.82× |" in out
     assert "512 cached positions, compiled, CUDA-graph replays" in out  # the recorded flag is printed
     assert "| qwen2.5-1.5b | bit-exact | on | 1 × 1 | 2.067 | 1.31× |" in out
     assert "| qwen2.5-1.5b | bit-exact | on | 203 | 2401 | 2398 | 3992 |" in out  # the PDL probe's timeline
     assert "| down | 11.7 / 13.9 (1.19×) | 15.3 / 13.6 (0.89×) | 15.1 / 13.5 (0.90×) | 14.7 / 31.7 (2.16×) |" in out
+    assert "| 40 rows | 2.175 | 2.220 | 2.271 | 2.907 | 64/3, 64/5, 32/3, 64/5, 64/3 |" in out  # the tile probe
