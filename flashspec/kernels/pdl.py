@@ -79,7 +79,8 @@ def enabled(device: torch.device, exact: bool = False) -> bool:
     """Whether kernels launched on ``device`` use PDL: :data:`ENABLED`, a CUDA device of compute
     capability 9.0 or newer, and a Triton that supports it — never for bit-exact mode's kernels
     (``exact``, SPEC.md §14): chained by PDL, its one-token forward of the Qwen2.5-1.5B shape
-    replayed in 2.54 ms, launched plainly in 2.07 (an H100, not compiled; BENCHMARKS.md, issue 22). Bit-exact mode's rotary kernel, which has no such flag, keeps PDL: between two
+    replayed in 2.54 ms, launched plainly in 2.07 (an H100, not compiled; BENCHMARKS.md, issue
+    22). Bit-exact mode's rotary kernel, which has no such flag, keeps PDL: between two
     plain launches it starts when the one before it ends, as a plain launch does."""
     if exact or not ENABLED or device.type != "cuda":
         return False
