@@ -1,14 +1,27 @@
 """FlashSpec: exact speculative decoding for Hugging Face causal language models."""
 
-from .drafters import (DatastoreDrafter, Draft, Drafter, EarlyExitDrafter, FeatureDrafter, FeatureHead, History,
-                       ModelDrafter, NgramDrafter, ShallowDrafter, ShallowHead)
+from .drafters import (
+                       DatastoreDrafter,
+                       Draft,
+                       Drafter,
+                       EarlyExitDrafter,
+                       FeatureDrafter,
+                       FeatureHead,
+                       History,
+                       ModelDrafter,
+                       NgramDrafter,
+                       ShallowDrafter,
+                       ShallowHead,
+)
 from .engine import SpeculativeEngine
+from .sampling import SamplingParams
 from .select import Selection
 from .stats import GenerationOutput, GenerationStats
-from .sampling import SamplingParams
+from .tuning.auto import calibrated_engine
 from .verify import VerifyResult, verify
 
 __all__ = [
+    "__version__",
     "Draft",
     "DatastoreDrafter",
     "Drafter",
@@ -26,6 +39,7 @@ __all__ = [
     "Selection",
     "SpeculativeEngine",
     "VerifyResult",
+    "calibrated_engine",
     "verify",
 ]
-__version__ = "0.1.0"
+from .version import __version__

@@ -11,7 +11,6 @@ instead: the target and the 0.5B model, from the model hub where it is reachable
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import subprocess
 import sys
@@ -22,7 +21,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .models import hub_reachable
+from .models.loading import hub_reachable
+from .paths import cache_dir
 
 __all__ = ["RegistryModel", "DEMO_TARGET", "DEMO_DRAFT", "DEMO_PROMPT", "DEMO_DRAFTERS", "DRAFTER_KINDS",
            "demo_drafter", "fetch_demo_model", "demo_pair"]
@@ -81,11 +81,6 @@ def demo_drafter(domain: str = "general") -> str:
     if not (folder / "drafter.json").is_file():
         raise ValueError(f"The demo's {domain} drafter is missing from {folder}: reinstall flashspec.")
     return f"feature:{folder}"
-
-
-def cache_dir() -> Path:
-    """Where fetched models live: ``$FLASHSPEC_CACHE`` or ``~/.cache/flashspec``."""
-    return Path(os.environ.get("FLASHSPEC_CACHE", Path.home() / ".cache" / "flashspec"))
 
 
 def fetch_demo_model(model: RegistryModel) -> str:

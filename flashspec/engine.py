@@ -2,33 +2,37 @@
 
 The engine owns what lasts across calls — the models behind their caches, the arms, the
 learning state, the device buffers and CUDA graphs. A call is parsed into a
-:class:`~flashspec.request.Request`, handed to the decode loop (:mod:`flashspec.loop`) as an
-explicit :class:`~flashspec.loop.Plan`, and returned as a :class:`GenerationOutput`.
+:class:`~flashspec.decode.request.Request`, handed to the decode loop (:mod:`flashspec.decode.loop`)
+as an explicit :class:`~flashspec.decode.workspace.Plan` (:meth:`SpeculativeEngine.plan`, which the
+running batch of :mod:`flashspec.decode.batch` uses too), and returned as a
+:class:`GenerationOutput`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Hashable, Sequence
-from pathlib import Path
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from .cache import StaticLM, make_lm
-from .drafters import DatastoreDrafter, Drafter, EarlyExitDrafter, ModelDrafter, NgramDrafter
-from .drafters.early_exit import PREFIX as EARLY_EXIT
-from .drafters.early_exit import parse_early_exit
-from .drafters.feature import PREFIX as FEATURE
+from .checks import check_flag
+from .decode.commit import commit_step, stage_drafts
+from .decode.loop import decode
+from .decode.request import Request, parse_engine_options, parse_request
+from .decode.workspace import Plan, Workspace, workspace_shape
+from .drafters.base import Drafter, ReadsFeatures
 from .drafters.feature import FeatureDrafter
-from .drafters.shallow import PREFIX as SHALLOW
+from .drafters.model import ModelDrafter
 from .drafters.shallow import ShallowDrafter
-from .graphs import Graphs
-from .loop import Plan, Workspace, commit_step, decode, stage_drafts, workspace_shape
-from .models import check_causal_lm, eval_mode, load_model, load_tokenizer
-from .parallel import tensor_parallel_of
-from .request import Request, parse_engine_options, parse_request
+from .drafters.specs import make_drafter
+from .models.cached import make_lm
+from .models.graphs import Graphs
+from .models.loading import check_causal_lm, eval_mode, load_model, load_tokenizer
+from .models.parallel import TensorParallel, tensor_parallel_of
+from .models.static import StaticLM
 from .select import Selection, Selector
 from .select.guard import DEFAULT_SLACK, Guard, check_slack
 from .stats import DrafterStats, GenerationOutput, GenerationStats
@@ -37,6 +41,9 @@ __all__ = ["SpeculativeEngine", "GenerationOutput", "GenerationStats", "Selectio
 
 AUTO = "auto"  # the default selector: AUTO_SELECTOR over the arms plus the target-only arm, guarded
 AUTO_SELECTOR = "thompson"
+# Captured steps a running batch keeps at once (one per draft length and set of sampling parameters
+# in the batch); past it every graph is dropped and captured again as the sets recur.
+BATCH_GRAPHS = 32
 
 
 class SpeculativeEngine:
@@ -88,7 +95,7 @@ class SpeculativeEngine:
             token in bfloat16 too, not only in float32. Llama, Qwen2, Qwen3 and Mistral targets in 16
             bits on a CUDA GPU with Triton; elsewhere ``ValueError`` says why. Off by default: its one-token
             forwards are slower (target-only decoding at 0.82–0.93× of the default's tokens/s on an
-            H100, BENCHMARKS.md, issue 22).
+            H100, BENCHMARKS.md, "Exactness").
     """
 
     def __init__(
@@ -109,17 +116,15 @@ class SpeculativeEngine:
         reuse_shallow: bool = False,
         bit_exact: bool = False,
     ) -> None:
-        if not isinstance(reuse_shallow, bool):
-            raise ValueError(f"reuse_shallow must be True or False; got {reuse_shallow!r}.")
-        if not isinstance(bit_exact, bool):
-            raise ValueError(f"bit_exact must be True or False; got {bit_exact!r}.")
+        check_flag("reuse_shallow", reuse_shallow)
+        check_flag("bit_exact", bit_exact)
         self.reuse_shallow = reuse_shallow
         options = parse_engine_options(
             drafters=drafters, gammas=gammas, selector_options=selector_options, share_selector=share_selector,
             tokenizer=tokenizer, device=device, dtype=dtype, compile=compile)
         self.device, self.compile = options.device, options.compile
         self.target, self.tokenizer = self._load_target(target, tokenizer, options.dtype)
-        # Tensor parallelism (flashspec.parallel, SPEC.md §9): every rank runs this same loop;
+        # Tensor parallelism (flashspec.models.parallel, SPEC.md §9): every rank runs this same loop;
         # the few places that must agree across ranks check self._tp.
         self._tp = tensor_parallel_of(self.target)
         self.vocab_size: int = self.target.config.vocab_size
@@ -129,7 +134,9 @@ class SpeculativeEngine:
                 raise ValueError(f"bit_exact=True needs a target of architecture {', '.join(StaticLM.ARCHITECTURES)}; "
                                  f"this one is {self.target.config.model_type!r}.")
             self._target_lm.bit_exact = True  # ValueError saying why where it cannot hold (SPEC.md §14)
-        self.drafters: list[Drafter] = [self._as_drafter(d, options.dtype) for d in options.drafters]
+        self.drafters: list[Drafter] = [
+            make_drafter(d, target=self.target, target_lm=self._target_lm, device=self.device, dtype=options.dtype,
+                         compile=self.compile, reuse_shallow=reuse_shallow) for d in options.drafters]
         names: set[str] = set()
         for i, d in enumerate(self.drafters):  # statistics are kept by name: make names unique
             if d.name in names:
@@ -138,8 +145,7 @@ class SpeculativeEngine:
         if reuse_shallow:
             self._check_reuse()
         # The layer counts after which drafters read the target's features (SPEC.md §11).
-        self._feature_layers = tuple(sorted({d.feature_layer for d in self.drafters
-                                             if getattr(d, "uses_hidden_states", False)}))
+        self._feature_layers = tuple(sorted({d.feature_layer for d in self.drafters if isinstance(d, ReadsFeatures)}))
         gammas = options.gammas
         # Arms: (drafter index, γ or None for generate's num_draft_tokens); the target-only arm is
         # (None, 0), last (SPEC.md §8).
@@ -194,25 +200,25 @@ class SpeculativeEngine:
             self.arms.append((None, 0))
         return slack if self.arms else None
 
-    @classmethod
-    def calibrated(cls, target: Any, drafters: Any = (), **options: Any) -> SpeculativeEngine:
-        """An engine configured from measurements on this machine (SPEC.md §13): the dtype of a
-        target given as a path, each drafter's draft lengths (or none where it cannot pay), and
-        ``selector="auto"``; what was chosen and why is in ``engine.choice``
-        (:class:`flashspec.auto.Choice`). Options: those of :func:`flashspec.auto.calibrated_engine`."""
-        from .auto import calibrated_engine
-
-        engine, choice = calibrated_engine(target, drafters, **options)
-        engine.choice = choice
-        return engine
-
-    # What :meth:`calibrated` chose, or None for an engine configured by hand.
+    # What flashspec.calibrated_engine chose (flashspec.tuning.auto.Choice), or None for an
+    # engine configured by hand.
     choice: Any = None
 
     @property
     def bit_exact(self) -> bool:
         """Whether the target's decode forwards run in bit-exact mode (SPEC.md §14)."""
         return isinstance(self._target_lm, StaticLM) and self._target_lm.bit_exact
+
+    @property
+    def target_lm(self) -> Any:
+        """The target behind FlashSpec's cache (:class:`~flashspec.models.static.StaticLM` or
+        :class:`~flashspec.models.cached.CachedLM`), which drafters made from the target share."""
+        return self._target_lm
+
+    @property
+    def tensor_parallel(self) -> TensorParallel | None:
+        """The target's tensor-parallel group (SPEC.md §9), or None on one device."""
+        return self._tp
 
     @property
     def target_only_arm(self) -> int | None:
@@ -276,30 +282,6 @@ class SpeculativeEngine:
         self._selection = selection
 
     # ------------------------------------------------------------------ drafters
-    def _as_drafter(self, spec: Any, dtype: torch.dtype) -> Drafter:
-        if isinstance(spec, str) and spec == "ngram":
-            return NgramDrafter()
-        if isinstance(spec, str) and spec.startswith((EARLY_EXIT, FEATURE, SHALLOW)):
-            return self._made_from_target(spec)
-        if isinstance(spec, str) and spec.strip().lower() == "ngram":
-            raise ValueError(f"Unknown drafter {spec!r}: did you mean 'ngram'? (Drafter names are lower case.)")
-        name = None
-        if isinstance(spec, str):
-            name = Path(spec).stem if spec.endswith(".gguf") else spec.rstrip("/").split("/")[-1]
-            try:
-                spec = load_model(spec, self.device, dtype)
-            except ValueError as error:
-                raise ValueError(f"Cannot use {spec!r} as a drafter: {error}") from None
-        if isinstance(spec, PreTrainedModel):
-            check_causal_lm(spec, "drafter", known_causal=StaticLM.supports(spec))
-            return ModelDrafter(spec, self.vocab_size, name=name, compile=self.compile)
-        if isinstance(spec, DatastoreDrafter) and spec.max_token >= self.vocab_size:
-            raise ValueError(f"Drafter {spec.name!r} stores token id {spec.max_token}, but the target's vocabulary "
-                             f"has {self.vocab_size} tokens: build the store with the target's tokenizer.")
-        if isinstance(spec, Drafter):
-            return spec
-        raise ValueError(f"Cannot use {spec!r} as a drafter: give a model, a path, 'ngram' or a Drafter.")
-
     def _check_reuse(self) -> None:
         """``reuse_shallow=True`` needs a drafter whose states the verify can reuse, on one device."""
         if not any(isinstance(d, ShallowDrafter) and d.reuse for d in self.drafters):
@@ -311,23 +293,6 @@ class SpeculativeEngine:
             raise ValueError("reuse_shallow=True does not work with a tensor-parallel target: each rank's drafter "
                              "fed its own drafts, which may differ from rank 0's that every rank verifies "
                              "(SPEC.md §9, §11).")
-
-    def _made_from_target(self, spec: str) -> Drafter:
-        """``early-exit:N``, ``feature:DIR`` or ``shallow:DIR``: a drafter sharing this engine's own
-        target, its weights and its cache (SPEC.md §11)."""
-        if not isinstance(self._target_lm, StaticLM):
-            raise ValueError(f"{spec!r} needs a target that runs over FlashSpec's static cache "
-                             f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
-        if spec.startswith(EARLY_EXIT):
-            return EarlyExitDrafter(self._target_lm, parse_early_exit(spec, len(self._target_lm.base.layers)))
-        from .train import load_head
-
-        kind, folder = spec.split(":", 1)
-        head = load_head(folder, self.target, kind)
-        name = f"{kind}-{Path(folder).name or 'drafter'}"
-        if kind == "feature":
-            return FeatureDrafter(self._target_lm, head, name=name, compile=self.compile)
-        return ShallowDrafter(self._target_lm, head, name=name, reuse=self.reuse_shallow)
 
     # ------------------------------------------------------------------ generate
     @torch.inference_mode()
@@ -357,31 +322,26 @@ class SpeculativeEngine:
 
         Calls from several threads are serialised: each waits for the one before to finish.
         """
-        models = [self.target] + [d.model for d in self.drafters if isinstance(d, ModelDrafter)]
-        with self._generating, eval_mode(*models):  # concurrent calls wait for one another
+        with self.session():  # concurrent calls wait for one another
             return self._generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                   do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                   num_draft_tokens=num_draft_tokens, eos_token_id=eos_token_id, seed=seed,
                                   progress=progress, sync_every=sync_every, context=context)
 
     def _generate(self, input_ids: Any, *, progress: Any, **arguments: Any) -> GenerationOutput:
-        if not isinstance(progress, bool):
-            raise ValueError(f"progress must be True or False; got {progress!r}.")
+        check_flag("progress", progress)
         if self.tokenizer is None and (isinstance(input_ids, str) or (
                 isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], str))):
             raise ValueError(f"String prompts need a tokenizer: {self._no_tokenizer}.")
-        request = parse_request(
-            input_ids, **arguments, target=self.target, tokenizer=self.tokenizer,
-            drafter_models=[d.model for d in self.drafters if isinstance(d, ModelDrafter)],
-            gammas=[g for d, g in self.arms if d is not None], device=self.device,
-        )
+        request = self.parse(input_ids, **arguments)
         stats = GenerationStats(
             per_drafter={d.name: DrafterStats() for d in self.drafters},
             per_arm={self.arm_label(a, request.num_draft_tokens): DrafterStats() for a in range(len(self.arms))},
         )
         if request.max_new_tokens == 0:
             return self._output([[] for _ in request.rows], stats)
-        plan = self._plan(request)
+        plan = self.plan(rows=len(request.rows), length=request.longest + request.max_new_tokens,
+                         num_draft_tokens=request.num_draft_tokens, num_eos=len(request.eos), context=request.context)
         sequences = decode(plan, request, stats, progress=progress)
         if plan.guard is not None:
             self.arm_costs.update(plan.guard.ratios())
@@ -394,8 +354,8 @@ class SpeculativeEngine:
         """A running batch that requests join and leave at step boundaries (continuous
         batching, SPEC.md §12): ``add(prompt, **sampling) -> handle``, ``step() -> updates``,
         ``cancel(handle)``. It holds the engine until closed (use it as a context manager).
-        See :class:`flashspec.batching.Batch`."""
-        from .batching import Batch
+        See :class:`flashspec.decode.batch.Batch`."""
+        from .decode.batch import Batch
 
         return Batch(self, slots=slots, max_length=max_length, num_draft_tokens=num_draft_tokens,
                      eos_token_id=eos_token_id)
@@ -409,25 +369,60 @@ class SpeculativeEngine:
         with self.batch(slots=slots, max_length=max_length, num_draft_tokens=num_draft_tokens) as batch:
             return batch.warmup(prompt_lengths)
 
-    def _plan(self, request: Request) -> Plan:
-        """What the decode loop of ``request`` needs: arms resolved, buffers shaped."""
-        gammas = [0 if d is None else g or request.num_draft_tokens for d, g in self.arms]
-        gamma = max(gammas, default=request.num_draft_tokens)
+    def parse(self, input_ids: Any, **arguments: Any) -> Request:
+        """``generate``'s prompt and keywords (all of them but ``progress``) checked against this
+        engine's target, drafters and device, as a :class:`~flashspec.decode.request.Request`
+        (SPEC.md §5: a ``ValueError`` names what is wrong)."""
+        return parse_request(input_ids, **arguments, target=self.target, tokenizer=self.tokenizer,
+                             drafter_models=[d.model for d in self.drafters if isinstance(d, ModelDrafter)],
+                             gammas=[g for d, g in self.arms if d is not None], device=self.device)
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Hold the engine — one ``generate`` or running batch at a time: they share the
+        workspace, caches and graphs (SPEC.md §5) — with its models in eval mode."""
+        models = [self.target] + [d.model for d in self.drafters if isinstance(d, ModelDrafter)]
+        with self._generating, eval_mode(*models):
+            yield
+
+    def arm_gammas(self, num_draft_tokens: int) -> list[int]:
+        """Each arm's draft length: its own γ, else ``num_draft_tokens``; 0 for the target-only arm."""
+        return [0 if d is None else g or num_draft_tokens for d, g in self.arms]
+
+    def plan(self, *, rows: int, length: int, num_draft_tokens: int, num_eos: int, context: Hashable = None,
+             running_batch: bool = False) -> Plan:
+        """What a decode loop over ``rows`` rows of up to ``length`` tokens (prompt + new) needs:
+        arms resolved, buffers shaped, the selector of ``context``, a fresh guard (SPEC.md §7, §8).
+        ``running_batch``: for :class:`~flashspec.decode.batch.Batch` — buffers and graphs of its own
+        (a bounded number of graphs), no tensor parallelism, nothing queued ahead (SPEC.md §12).
+        Call it while holding :meth:`session`."""
+        gammas = self.arm_gammas(num_draft_tokens)
+        gamma = max(gammas, default=num_draft_tokens)
+        shape = workspace_shape(rows, length, gamma, num_eos, self.target.config.hidden_size, self._feature_layers)
+        if running_batch:
+            if self._tp is not None:
+                raise ValueError("Continuous batching does not support tensor-parallel targets yet.")
+            if self._target_lm.reset(rows, shape[1]):
+                self._graphs.clear()
+                self._buffers = None
+            workspace = Workspace(*shape, self.target.device, dtype=self.target.dtype)
+            graphs = Graphs(enabled=self._graphs.enabled, limit=BATCH_GRAPHS)
+        else:
+            workspace, graphs = self._workspace(shape), self._graphs
         return Plan(
             target=self._target_lm,
             drafters=self.drafters,
             arm_drafters=[d for d, _ in self.arms],
             arm_gammas=gammas,
-            labels=[self.arm_label(a, request.num_draft_tokens) for a in range(len(self.arms))],
-            selector=self.selection.for_request(request.context),
+            labels=[self.arm_label(a, num_draft_tokens) for a in range(len(self.arms))],
+            selector=self.selection.for_request(context),
             guard=self.new_guard(gammas),
-            graphs=self._graphs,
-            workspace=self._workspace(workspace_shape(request, gamma, self.target.config.hidden_size,
-                                                      self._feature_layers)),
+            graphs=graphs,
+            workspace=workspace,
             commit_step=self._commit_step,
             stage_drafts=self._stage_drafts,
-            tp=self._tp,
-            queue_ahead=self.queue_ahead,
+            tp=None if running_batch else self._tp,
+            queue_ahead=self.queue_ahead and not running_batch,
         )
 
     def new_guard(self, gammas: Sequence[int]) -> Guard | None:
@@ -448,7 +443,7 @@ class SpeculativeEngine:
         if isinstance(drafter, ModelDrafter):
             own = getattr(drafter.model.config, "num_hidden_layers", None)
         elif isinstance(drafter, (FeatureDrafter, ShallowDrafter)):
-            own = len(drafter.head.layers) if hasattr(drafter.head, "layers") else None
+            own = len(drafter.head.layers)
         else:
             own = None
         if not own or not layers:

@@ -59,7 +59,7 @@ def drafter(arch: str, kind: str, model: transformers.PreTrainedModel) -> Any:
 
 def main(out_dir: Path) -> None:
     from flashspec import SpeculativeEngine
-    from flashspec.parallel import check_shardable, init_tensor_parallel, load_tensor_parallel, shard_model
+    from flashspec.models.parallel import check_shardable, init_tensor_parallel, load_tensor_parallel, shard_model
 
     torch.set_num_threads(1)
     tp = init_tensor_parallel(backend="gloo", init_method=os.environ["FLASHSPEC_TEST_INIT"])

@@ -1,4 +1,4 @@
-"""Calibrated defaults (flashspec.auto; SPEC.md §13, "Choosing the dtype and γ"): the dtype and
+"""Calibrated defaults (flashspec.tuning.auto; SPEC.md §13, "Choosing the dtype and γ"): the dtype and
 draft lengths chosen from timings on this machine, on tiny random-weight models (no downloads)."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import torch
 from chat_tokenizer import save_tiny_chat_pair
 from tiny_models import noisy_copy, tiny_model
 
-from flashspec import Draft, SpeculativeEngine, auto
-from flashspec.auto import ALPHA_HIGH, ALPHA_LOW, Choice, calibrated_engine, choose_dtype, speedup_from_steps
-from flashspec.calibrate import CostCurve
+import flashspec
+from flashspec import Draft, SpeculativeEngine
+from flashspec.tuning import auto
+from flashspec.tuning.auto import ALPHA_HIGH, ALPHA_LOW, Choice, calibrate_engine, choose_dtype, speedup_from_steps
+from flashspec.tuning.calibrate import CostCurve
 from flashspec.cli import main
 from flashspec.select.guard import DEFAULT_SLACK
 
@@ -78,7 +80,7 @@ class SlowDrafter:
 
 def test_a_drafter_that_cannot_pay_is_dropped_and_the_engine_decodes_alone():
     target = tiny_model("llama")
-    engine, choice = calibrated_engine(target, [SlowDrafter()], max_gamma=2, progress=False)
+    engine, choice = calibrate_engine(target, [SlowDrafter()], max_gamma=2, progress=False)
     assert choice.dropped == ["slow"] and not choice.gammas and engine.drafters == []
     assert all(choice.speedup("slow", g, ALPHA_HIGH) <= 1 for g in (1, 2))
     assert "speculation cannot pay here" in choice.explain()
@@ -88,7 +90,7 @@ def test_a_drafter_that_cannot_pay_is_dropped_and_the_engine_decodes_alone():
 def test_kept_drafters_get_the_best_gammas_and_the_default_configuration():
     target = tiny_model("llama")
     draft = noisy_copy(target, 0.05, seed=1)
-    engine, choice = calibrated_engine(target, [draft, "ngram"], max_gamma=3, progress=False)
+    engine, choice = calibrate_engine(target, [draft, "ngram"], max_gamma=3, progress=False)
     assert len(choice.step_seconds) == 2 and all(len(s) == 3 for s in choice.step_seconds.values())
     for name, gammas in choice.gammas.items():
         best = {a: max((1, 2, 3), key=lambda g: choice.speedup(name, g, a)) for a in (ALPHA_LOW, ALPHA_HIGH)}
@@ -114,24 +116,24 @@ def test_kept_drafters_get_the_best_gammas_and_the_default_configuration():
 
 def test_step_timings_are_cached(monkeypatch):
     target = tiny_model("llama")
-    calibrated_engine(target, ["ngram"], max_gamma=2, progress=False)
+    calibrate_engine(target, ["ngram"], max_gamma=2, progress=False)
     calls, generate = [], SpeculativeEngine.generate
     monkeypatch.setattr(SpeculativeEngine, "generate", lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
-    _, choice = calibrated_engine(target, ["ngram"], max_gamma=2, progress=False)
+    _, choice = calibrate_engine(target, ["ngram"], max_gamma=2, progress=False)
     assert calls == [] and len(choice.step_seconds["ngram"]) == 2  # read back, nothing timed
-    calibrated_engine(target, ["ngram"], max_gamma=2, progress=False, use_cache=False)
+    calibrate_engine(target, ["ngram"], max_gamma=2, progress=False, use_cache=False)
     assert len(calls) == 3  # timed again: the target alone and γ = 1, 2
 
 
 def test_a_target_given_as_a_folder_gets_its_dtype_chosen_on_the_cpu(tmp_path):
     folder, draft = save_tiny_chat_pair(tmp_path)
-    engine = SpeculativeEngine.calibrated(str(folder), [str(draft)], device="cpu", max_gamma=2, progress=False)
+    engine = flashspec.calibrated_engine(str(folder), [str(draft)], device="cpu", max_gamma=2, progress=False)
     choice = engine.choice
     assert set(choice.target_curves) == {"float32", "bfloat16"}
     assert str(choice.dtype).removeprefix("torch.") == choose_dtype(choice.target_curves)[0]
     assert next(engine.target.parameters()).dtype == choice.dtype
     assert engine.tokenizer is not None
-    asked = SpeculativeEngine.calibrated(str(folder), [str(draft)], device="cpu", dtype=torch.float32, gammas=[3],
+    asked = flashspec.calibrated_engine(str(folder), [str(draft)], device="cpu", dtype=torch.float32, gammas=[3],
                                          progress=False)
     assert asked.choice.dtype_reason == "as asked" and asked.choice.target_curves == {}
     assert {g for _, g in asked.arms} == {3, 0}
@@ -140,7 +142,7 @@ def test_a_target_given_as_a_folder_gets_its_dtype_chosen_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("bad", [0, -1, 65, 2.5, True])
 def test_bad_max_gamma_is_refused(bad):
     with pytest.raises(ValueError, match="max_gamma"):
-        calibrated_engine(tiny_model("llama"), ["ngram"], max_gamma=bad)
+        calibrate_engine(tiny_model("llama"), ["ngram"], max_gamma=bad)
 
 
 def test_generate_compare_prints_the_choice_and_why(tmp_path, capsys):
@@ -161,16 +163,16 @@ def test_generate_compare_prints_the_choice_and_why(tmp_path, capsys):
 
 
 def test_module_is_exported():
-    assert auto.calibrated_engine is calibrated_engine
+    assert flashspec.calibrated_engine is auto.calibrated_engine
 
 
 @pytest.mark.parametrize("bad", ["-1", "gpu", 3.5])
 def test_a_bad_device_is_refused_before_anything_loads(bad):
     with pytest.raises(ValueError, match="device"):
-        calibrated_engine("/nonexistent/model.gguf", ["ngram"], device=bad)
+        calibrate_engine("/nonexistent/model.gguf", ["ngram"], device=bad)
 
 
 @pytest.mark.parametrize("bad", ["bf16", 16])
 def test_a_bad_dtype_is_refused_before_anything_loads(bad):
     with pytest.raises(ValueError, match="dtype"):
-        calibrated_engine("/nonexistent/model.gguf", ["ngram"], dtype=bad)
+        calibrate_engine("/nonexistent/model.gguf", ["ngram"], dtype=bad)

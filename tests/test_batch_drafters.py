@@ -17,7 +17,7 @@ from flashspec import (
     ShallowHead,
     SpeculativeEngine,
 )
-from flashspec.train import save_drafter
+from flashspec.drafters.checkpoint import save_drafter
 
 ARCHS = ("llama", "qwen2", "mistral")
 PROMPTS = [[(7 * i + 3 * j) % 128 for j in range(1 + 4 * i)] for i in range(6)]  # 1 … 21 tokens
@@ -299,6 +299,9 @@ class _Keys:
         if warm:
             fn()
         return result
+
+    def reading(self, *inputs) -> None:
+        """What the graphs read (no graph here to drop)."""
 
     def run_widths(self, widths, width, key, fn, repeatable=False):
         return fn(width)

@@ -15,8 +15,8 @@ import torch
 import transformers
 
 from flashspec import FeatureHead, SpeculativeEngine
-from flashspec.cache import StaticLM
-from flashspec.train import save_drafter
+from flashspec.models.static import StaticLM
+from flashspec.drafters.checkpoint import save_drafter
 from tiny_models import noisy_copy, tiny_model
 
 pytest.importorskip("triton")

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from torch._inductor.utils import run_and_get_code
 
-from flashspec.cache import StaticLM
+from flashspec.models.static import StaticLM
 
 
 def tiny_llama() -> LlamaForCausalLM:

@@ -1,4 +1,4 @@
-"""Calibration (flashspec.calibrate, ``flashspec calibrate``): the speedup formula, cost curves
+"""Calibration (flashspec.tuning.calibrate, ``flashspec calibrate``): the speedup formula, cost curves
 cached on disk by key, and the command, on tiny random-weight models (no downloads)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from flashspec import calibrate
-from flashspec.bench import timing
-from flashspec.calibrate import CostCurve, measure, predict_speedup, predicted_tokens_per_second
+from flashspec.tuning import calibrate
+from flashspec.tuning import timing
+from flashspec.tuning.calibrate import CostCurve, measure, predict_speedup, predicted_tokens_per_second
 from flashspec.cli import main
 from tiny_models import noisy_copy, tiny_model
 

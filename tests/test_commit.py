@@ -1,4 +1,4 @@
-"""A step's bookkeeping (flashspec.loop.stage_drafts before verification, commit_step after it):
+"""A step's bookkeeping (flashspec.decode.commit.stage_drafts before verification, commit_step after it):
 the engine compiles both on a GPU, where a step is replayed as a CUDA graph, so the compiled
 functions must do exactly what the eager ones do — faults, EOS cuts, token budgets, finished
 rows, a full log included."""
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashspec.loop import commit_step, stage_drafts
+from flashspec.decode.commit import commit_step, stage_drafts
 
 
 def _state(batch: int, width: int, seed: int) -> dict[str, torch.Tensor]:

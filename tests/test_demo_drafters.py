@@ -10,7 +10,8 @@ from transformers import Qwen2Config
 
 from flashspec.demo import DEMO_DOMAINS, DEMO_DRAFTERS, demo_drafter, demo_pair
 from flashspec.drafters.feature import FeatureHead
-from flashspec.train import _read_tensors, merge_low_rank
+from flashspec.drafters.checkpoint import read_tensors as _read_tensors
+from flashspec.drafters.low_rank import merge_low_rank
 
 # Qwen2.5-Coder-1.5B-Instruct's shape (its config.json), the target the drafters were trained for.
 TARGET = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,

@@ -11,8 +11,9 @@ import torch
 from chat_tokenizer import ChatCharTokenizer, save_tiny_chat_pair
 from tiny_models import tiny_model, write_tiny_corpus
 
-from flashspec.bench.corpus import DOMAINS, chat_requests, heldout_prompts
-from flashspec.distill import add_parser, distill, write_distilled
+from flashspec.data.corpus import DOMAINS, chat_requests, heldout_prompts
+from flashspec.cli.train import add_parsers
+from flashspec.training.distill import distill, write_distilled
 
 MARK = "QQQQQ"  # replaces "alpha" (same length: the held-out boundary stays put) in the held-out part only
 
@@ -78,9 +79,9 @@ def test_write_distilled_and_errors(corpus, target, tmp_path):
 
 def test_add_parser_registers_the_command():
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers(dest="command"))
+    add_parsers(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["distill", "--target", "t", "--out", "x.txt", "--domain", "code", "--count", "3"])
-    assert args.run.__name__ == "_run" and args.count == 3 and args.style == "chat" and args.batch == 64
+    assert args.run.__name__ == "distill_command" and args.count == 3 and args.style == "chat" and args.batch == 64
 
 
 def test_cli_end_to_end(corpus, tmp_path, capsys):

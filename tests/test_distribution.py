@@ -26,7 +26,7 @@ from transformers import (
 from stats_helpers import ALPHA, chi2_pvalue
 
 from flashspec import DatastoreDrafter, Draft, History, SamplingParams, SpeculativeEngine
-from flashspec.graphs import Graphs
+from flashspec.models.graphs import Graphs
 
 V = 8
 SAMPLES = 20_000
@@ -69,7 +69,7 @@ def _feature_checkpoint() -> str:
     import tempfile
 
     from flashspec import FeatureHead
-    from flashspec.train import save_drafter
+    from flashspec.drafters.checkpoint import save_drafter
 
     folder = tempfile.mkdtemp(prefix="flashspec-feature-")
     torch.manual_seed(11)
@@ -82,7 +82,7 @@ def _shallow_checkpoint() -> str:
     import tempfile
 
     from flashspec import ShallowHead
-    from flashspec.train import save_drafter
+    from flashspec.drafters.checkpoint import save_drafter
 
     folder = tempfile.mkdtemp(prefix="flashspec-shallow-")
     torch.manual_seed(12)
@@ -99,7 +99,7 @@ def _compact_checkpoint() -> str:
     import tempfile
 
     from flashspec import FeatureHead
-    from flashspec.train import save_drafter
+    from flashspec.drafters.checkpoint import save_drafter
 
     folder = tempfile.mkdtemp(prefix="flashspec-compact-")
     torch.manual_seed(13)

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flashspec import SpeculativeEngine
-from flashspec.graphs import Graphs, window_widths
+from flashspec.models.graphs import Graphs, window_widths
 
 
 def llama(seed: int = 0, vocab: int = 40) -> LlamaForCausalLM:
@@ -26,15 +26,16 @@ TARGET = llama()
 
 
 def record_forward_lengths(lm):
-    """Token counts of every forward of a cache wrapper (StaticLM or CachedLM)."""
+    """Token counts of every forward of a cache wrapper (StaticLM or CachedLM), prefills included."""
     lengths = []
-    original = lm.forward
+    for name in ("forward", "prefill"):
+        original = getattr(lm, name)
 
-    def forward(tokens, *args, **kwargs):
-        lengths.append(tokens.shape[1])
-        return original(tokens, *args, **kwargs)
+        def forward(tokens, *args, _original=original, **kwargs):
+            lengths.append(tokens.shape[1])
+            return _original(tokens, *args, **kwargs)
 
-    lm.forward = forward
+        setattr(lm, name, forward)
     return lengths
 
 
@@ -148,13 +149,14 @@ def test_model_drafters_are_prefilled_with_the_target():
     engine = SpeculativeEngine(target, [drafter])
     calls = []
     for who, lm in (("target", engine._target_lm), ("drafter", engine.drafters[0]._lm)):
-        original = lm.forward
+        for name in ("forward", "prefill"):
+            original = getattr(lm, name)
 
-        def forward(tokens, *args, _who=who, _original=original, **kwargs):
-            calls.append((_who, tokens.shape[1]))
-            return _original(tokens, *args, **kwargs)
+            def forward(tokens, *args, _who=who, _original=original, **kwargs):
+                calls.append((_who, tokens.shape[1]))
+                return _original(tokens, *args, **kwargs)
 
-        lm.forward = forward
+            setattr(lm, name, forward)
     out = engine.generate([list(range(1, 21)), [4, 5, 6]], max_new_tokens=9, num_draft_tokens=3, eos_token_id=[])
     assert calls[:2] == [("target", 20), ("drafter", 21)]  # prompts, then prompt + first token
     steps = calls[2:]
@@ -243,7 +245,7 @@ def test_target_only_steps_of_an_engine_with_drafters_poll_as_a_target_only_engi
     queues ahead) exactly as a target-only engine does, not as often as its largest γ would need."""
     from unittest import mock
 
-    from flashspec import loop
+    from flashspec.decode import loop
 
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]][:batch]
     kwargs = dict(max_new_tokens=max_new, eos_token_id=[], sync_every=sync_every)
@@ -287,7 +289,7 @@ def test_captures_after_the_first_skip_torch_s_gc_collect_and_empty_cache(monkey
     graphs), and both are restored after each capture."""
     import gc
 
-    import flashspec.graphs as graphs
+    import flashspec.models.graphs as graphs
 
     calls = []
     monkeypatch.setattr(gc, "collect", lambda *args, **kwargs: calls.append("gc") or 0)

@@ -162,7 +162,8 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from flashspec.drafters.base import History  # noqa: E402
 from flashspec.drafters.model import ModelDrafter  # noqa: E402
-from flashspec.graphs import Graphs  # noqa: E402
+from flashspec.drafters.base import Seen  # noqa: E402
+from flashspec.models.graphs import Graphs  # noqa: E402
 
 
 @settings(max_examples=300, deadline=None)
@@ -173,13 +174,14 @@ def test_drafter_window_covers_unseen_tokens_with_few_distinct_widths(bound, see
     cache); with CUDA graphs it is always one of the drafter's few widths (2, then powers of two
     from 16, then the capacity: one graph each, captured together), the first proposal's too;
     without them it stops at the bound (the history's length, a prefill's width)."""
-    drafter = ModelDrafter.__new__(ModelDrafter)  # _window reads only _seen_through and _graphs
+    drafter = ModelDrafter.__new__(ModelDrafter)  # _window reads only _seen and _graphs
     drafter._graphs = Graphs(enabled=False)
     drafter._graphs.enabled = graphs
-    drafter._seen_through = None if first else max(0, bound - seen_offset)
+    drafter._seen = Seen()
+    drafter._seen.mark = None if first else max(0, bound - seen_offset)
     history = History(torch.zeros(1, capacity, dtype=torch.long), torch.ones(1, dtype=torch.long), max_length=bound)
     window = drafter._window(history)
-    unseen = bound if first else max(2, 2 + bound - drafter._seen_through)
+    unseen = bound if first else max(2, 2 + bound - drafter._seen.mark)
     assert 1 <= window <= capacity
     assert window >= min(unseen, capacity, bound)  # nothing unseen is left out
     if graphs:

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from flashspec import FeatureDrafter, FeatureHead, ShallowDrafter, ShallowHead, SpeculativeEngine
 from flashspec.cli import main
-from flashspec.train import FLOOR, TrainOptions, load_feature_head, load_head, save_drafter, train_feature_head, train_head
+from flashspec.drafters.checkpoint import load_feature_head, load_head, save_drafter
+from flashspec.training.train import FLOOR, TrainOptions, train_feature_head, train_head
 from flashspec.drafters.feature import window_widths
-from flashspec.graphs import Graphs
+from flashspec.models.graphs import Graphs
 from tiny_models import tiny_model
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -358,7 +359,7 @@ def test_train_drafter_command_trains_saves_and_the_engine_loads_it(kind, tmp_pa
     before = further["training"]["before"]
     assert before["steps"] == 6 and before["tokens"] == record["training"]["tokens"] == 6 * 2 * 32
     assert [e["step"] for e in before["estimates"]] == [0, 3, 6]
-    from flashspec.train import training_totals
+    from flashspec.training.train import training_totals
 
     assert training_totals(further["training"])["steps"] == 10
     assert training_totals(further["training"])["tokens"] == 10 * 2 * 32
@@ -456,7 +457,7 @@ def test_int8_storage_halves_the_bytes_and_keeps_each_row_within_half_a_step(tmp
 
 
 def test_draft_vocab_keeps_the_most_frequent_tokens_and_the_ones_asked_for():
-    from flashspec.train import draft_vocab
+    from flashspec.training.data import draft_vocab
 
     chunks = torch.tensor([[5, 5, 5, 2, 2, 9], [9, 9, 9, 9, 1, 0]])
     assert draft_vocab(chunks, 2).tolist() == [5, 9]
@@ -526,7 +527,7 @@ def test_compact_designs_refuse_bad_sizes(bad, message):
 
 
 def test_token_chunks_cache_returns_the_same_ids_and_survives_a_damaged_entry(tmp_path):
-    from flashspec.train import token_chunks
+    from flashspec.training.data import token_chunks
 
     class Tokenizer:
         name_or_path, calls = "chars", 0
@@ -572,7 +573,7 @@ def test_unrolled_passes_compute_what_the_drafter_computes_at_each_draft_depth()
     """Pass j at position t, through chain_mask, equals the j-th draft of a chain begun at
     t − j + 1 computed the inference way: one growing causal sequence whose later inputs are the
     drafter's own predicted features."""
-    from flashspec.train import _passes
+    from flashspec.training.train import _passes
 
     model = tiny_model("qwen2", seed=2, vocab_size=64)
     head = _compact_head(model, seed=3)
@@ -606,7 +607,7 @@ def test_unrolled_passes_compute_what_the_drafter_computes_at_each_draft_depth()
 
 
 def test_chain_mask_for_one_pass_is_causal():
-    from flashspec.train import chain_mask
+    from flashspec.training.train import chain_mask
 
     assert torch.equal(chain_mask(1, 5), torch.ones(5, 5, dtype=torch.bool).tril())
     mask = chain_mask(3, 4)
@@ -656,7 +657,7 @@ def test_later_drafts_need_unrolled_training(peaked, tmp_path):
 
 
 def test_long_texts_are_tokenized_in_pieces_cut_at_line_starts(monkeypatch):
-    import flashspec.train as train
+    import flashspec.training.data as train
 
     class Tokenizer:
         def __call__(self, text):
@@ -696,14 +697,17 @@ def test_feature_windows_cover_the_unseen_positions_in_few_widths(capacity, boun
     from flashspec.drafters import History
 
     bound = min(bound, capacity)
-    drafter = FeatureDrafter.__new__(FeatureDrafter)  # _window reads only _fed_through
-    drafter._fed_through = None if first else min(seen, bound)
+    from flashspec.drafters.base import Seen
+
+    drafter = FeatureDrafter.__new__(FeatureDrafter)  # _window reads only _seen
+    drafter._seen = Seen()
+    drafter._seen.mark = None if first else min(seen, bound)
     history = History(torch.zeros(1, capacity, dtype=torch.long), torch.ones(1, dtype=torch.long), max_length=bound)
     window = drafter._window(history)
     widths = window_widths(capacity)
     assert window in widths and widths == sorted(set(widths)) and widths[-1] == capacity
     assert len(widths) <= 1 + capacity.bit_length()
-    unseen = bound if first else bound - drafter._fed_through + 1
+    unseen = bound if first else bound - drafter._seen.mark + 1
     assert window >= min(unseen, capacity) and window >= FeatureDrafter.MIN_WINDOW
     assert window < 2 * max(unseen, FeatureDrafter.MIN_WINDOW)  # never more than twice the work needed
 
@@ -713,7 +717,7 @@ def test_a_gap_of_drafting_steps_re_feeds_what_they_committed_not_their_draft_le
     """SPEC.md §4, "Catch-up windows": after steps of another drafter, a feature drafter re-feeds
     the positions those steps committed (read at polls; k + 1 for a step no poll has read yet),
     never fewer — not γ + 1 per step, which on the H200 pushed a window past the compiled widths
-    into an eager feed (+7 % a step, BENCHMARKS.md session 26). Greedy output stays the target's."""
+    into an eager feed (+7 % a step on an H200). Greedy output stays the target's."""
     from flashspec.bench.e2e import ScriptedSelector
 
     prompt = [[(5 * j + 3) % 64 for j in range(12)]]

@@ -10,9 +10,9 @@ import torch
 import transformers
 
 from flashspec import SpeculativeEngine
-from flashspec.cache import StaticLM
-from flashspec.loop import _Run
-from flashspec.request import Request
+from flashspec.models.static import StaticLM
+from flashspec.decode.loop import _Run
+from flashspec.decode.request import Request
 from flashspec.stats import DrafterStats, GenerationStats
 from flashspec.sampling import SamplingParams
 
@@ -46,7 +46,7 @@ def feature_checkpoint(target) -> str:
     import tempfile
 
     from flashspec import FeatureHead
-    from flashspec.train import save_drafter
+    from flashspec.drafters.checkpoint import save_drafter
 
     folder = tempfile.mkdtemp(prefix="flashspec-feature-gpu-")
     torch.manual_seed(3)
@@ -60,7 +60,7 @@ def compact_checkpoint(target) -> str:
     import tempfile
 
     from flashspec import FeatureHead
-    from flashspec.train import save_drafter
+    from flashspec.drafters.checkpoint import save_drafter
 
     folder = tempfile.mkdtemp(prefix="flashspec-compact-gpu-")
     torch.manual_seed(5)
@@ -74,7 +74,7 @@ def shallow_checkpoint(target) -> str:
     import tempfile
 
     from flashspec import ShallowHead
-    from flashspec.train import save_drafter
+    from flashspec.drafters.checkpoint import save_drafter
 
     folder = tempfile.mkdtemp(prefix="flashspec-shallow-gpu-")
     torch.manual_seed(4)
@@ -125,7 +125,7 @@ def test_warmed_graphs_replay_once_right_after_capture():
     """Graphs.run(warm=True) replays a new graph once after capturing it (its first replay costs
     more than later ones, SPEC.md §7), and run_widths warms every other width, the asked one
     only when repeatable: counted on a tensor each run adds one to."""
-    from flashspec.graphs import Graphs
+    from flashspec.models.graphs import Graphs
 
     graphs, x = Graphs(enabled=True), torch.zeros(8, device="cuda")
     graphs.run("cold", lambda: x[0:1].add_(1))
@@ -145,7 +145,7 @@ def test_graph_prefills_match_hf_generate_float32(arch):
     """SPEC.md §7, "The prefill is a graph too": prompts of many lengths, alone and batched, fed at
     padded widths and replayed from graphs that the first prefill of a workspace captured at
     every width: the greedy output is still model.generate's."""
-    from flashspec.graphs import window_widths
+    from flashspec.models.graphs import window_widths
 
     target = tiny(arch, 0)
     engine = SpeculativeEngine(target, [tiny(arch, 1)], compile=True)
@@ -174,7 +174,7 @@ def test_a_compiled_batch_on_cuda_equals_generate_and_compiles_nothing_after_its
     """Continuous batching on CUDA with compile=True (SPEC.md §12; the server's path): after the
     warm-up, requests of new prompt lengths (short ones the compiled forward would have taken,
     long ones) join and leave a running batch, each equals ``model.generate`` (float32, greedy),
-    and nothing more is compiled (issue 21: no request pays for compilation)."""
+    and nothing more is compiled (SPEC.md §12: no request pays for compilation)."""
     from torch._dynamo.utils import counters
 
     target = tiny("llama", 0)
@@ -203,7 +203,7 @@ def test_joins_replay_graphs_captured_at_warm_up_and_equal_generate(drafter):
     for every slot at every width, prompts of new lengths (1 … 100) joining every slot replay
     them and capture nothing more, and each request equals ``model.generate`` (float32, greedy)."""
     from flashspec.drafters import ModelDrafter
-    from flashspec.graphs import window_widths
+    from flashspec.models.graphs import window_widths
 
     target = tiny("llama", 0)
     engine = SpeculativeEngine(target, drafters_for(drafter, target))
@@ -240,7 +240,7 @@ def test_a_batch_replays_its_steps_as_graphs_and_equals_the_same_batch_run_eager
     them (SPEC.md §12): greedy and seeded sampled rows (two sets) joining and leaving give, from
     graph replays, the tokens of the same batch run without graphs; greedy rows equal
     ``model.generate``; a bounded Graphs drops its graphs past its limit and captures again."""
-    from flashspec.graphs import Graphs
+    from flashspec.models.graphs import Graphs
 
     target, draft = tiny("llama", 0), tiny("llama", 1)
     prompts = [[(3 * i + j) % 90 + 1 for j in range(4 + 3 * i)] for i in range(6)]
@@ -334,7 +334,9 @@ def _steps_without_synchronising(engine, params, gamma: int, steps: int) -> Gene
                       context=None)
     stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in engine.drafters},
                             per_arm={engine.arm_label(a, gamma): DrafterStats() for a in range(len(engine.arms))})
-    run = _Run(engine._plan(request), request, stats)
+    plan = engine.plan(rows=len(request.rows), length=request.longest + request.max_new_tokens,
+                       num_draft_tokens=request.num_draft_tokens, num_eos=len(request.eos))
+    run = _Run(plan, request, stats)
     run.prefill()
     for _ in range(3):
         run.step()
@@ -353,7 +355,7 @@ def _steps_without_synchronising(engine, params, gamma: int, steps: int) -> Gene
 def test_compiled_bookkeeping_in_graphs(do_sample):
     """The compiled commit/log bookkeeping (what compile=True adds to a graph-replayed step) gives
     the tokens of the eager one, EOS cuts included, and its steady-state steps do not synchronise."""
-    from flashspec.loop import commit_step
+    from flashspec.decode.commit import commit_step
 
     target, draft = tiny("llama", 0, torch.bfloat16), tiny("llama", 1, torch.bfloat16)
     kwargs = dict(max_new_tokens=40, num_draft_tokens=3, eos_token_id=[5, 9], do_sample=do_sample, seed=7)
@@ -461,7 +463,8 @@ def test_feature_training_unrolled_in_bf16_on_the_gpu(vocab, tmp_path):
     """float32 master weights under bf16 autocast, three unrolled passes through chain_mask with
     the feature loss, a draft vocabulary or not: the loss falls, the estimate has three depths,
     and the saved head drafts the target's own greedy output."""
-    from flashspec.train import TrainOptions, save_drafter, train_head
+    from flashspec.drafters.checkpoint import save_drafter
+    from flashspec.training.train import TrainOptions, train_head
 
     target = tiny("llama", 0, torch.bfloat16)
     data = torch.randint(0, 96, (64, 48), generator=torch.Generator().manual_seed(0))
@@ -499,8 +502,8 @@ def test_calibration_on_cuda_times_graph_replays_and_reuses_its_cache(tmp_path, 
     """`flashspec calibrate` on CUDA (SPEC.md §13): a StaticLM's curve is timed as CUDA-graph
     replays, every width's cost is finite and positive, the key names the GPU, and a second call
     reads the cached curve back without timing again."""
-    from flashspec import calibrate
-    from flashspec.bench import timing
+    from flashspec.tuning import calibrate
+    from flashspec.tuning import timing
 
     monkeypatch.setenv("FLASHSPEC_CACHE", str(tmp_path))
     lm = StaticLM(tiny("llama", 0, torch.bfloat16))
@@ -513,7 +516,7 @@ def test_calibration_on_cuda_times_graph_replays_and_reuses_its_cache(tmp_path, 
 
 
 # ----------------------------------------------------------------------------------------------
-# Bit-exact mode (SPEC.md §14, issue 22), natively: the kernels' real tiles, autotuned configs,
+# Bit-exact mode (SPEC.md §14), natively: the kernels' real tiles, autotuned configs,
 # CUDA graphs and torch.compile.
 # ----------------------------------------------------------------------------------------------
 
@@ -546,7 +549,7 @@ def test_bit_exact_logits_do_not_depend_on_width_or_batch_on_cuda(arch, compiled
     logits and caches; a sequence of a ragged batch of 8 decodes to the same bits alone. (Whether
     the default kernels differ here depends on the GPU and shape: on an H100 they agreed for these
     two-layer Llama and Qwen2 shapes and differed for Qwen3; the demo pair's default arms differ
-    from target-only on most prompts, BENCHMARKS.md, issue 22.)"""
+    from target-only on most prompts, BENCHMARKS.md, "Exactness".)"""
     model = real_shape(arch)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 1000, (8, 40), generator=gen).cuda()

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import flashspec
-from flashspec.cache import StaticLM
+from flashspec.models.static import StaticLM
 from tiny_models import ARCHITECTURES, CONTEXT, noisy_copy, tiny_model
 
 VOCAB = 128
@@ -61,7 +61,7 @@ def feature_checkpoint(arch: str) -> str:
     """An untrained (seeded) feature drafter for the architecture's target, saved once."""
     import tempfile
 
-    from flashspec.train import save_drafter
+    from flashspec.drafters.checkpoint import save_drafter
 
     folder = tempfile.mkdtemp(prefix=f"flashspec-feature-{arch}-")
     torch.manual_seed(ARCHITECTURES.index(arch))

@@ -376,7 +376,7 @@ def test_model_and_feature_drafters_say_how_wide_their_next_catch_up_is(tmp_path
     0 after a short gap (a compiled width), the re-fed window after a long one (SPEC.md §4)."""
     from flashspec import History, SamplingParams
     from flashspec.drafters.feature import FeatureHead
-    from flashspec.train import save_drafter
+    from flashspec.drafters.checkpoint import save_drafter
 
     save_drafter(FeatureHead(TARGET.config, 1), TARGET, tmp_path)
     engine = SpeculativeEngine(TARGET, [noisy_copy(TARGET, 0.05, 1), f"feature:{tmp_path}", "ngram"],

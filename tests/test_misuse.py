@@ -12,7 +12,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
 from flashspec import SpeculativeEngine
-from flashspec.request import MAX_DRAFT_TOKENS, MAX_TOKENS_WITHOUT_WINDOW
+from flashspec.decode.request import MAX_DRAFT_TOKENS, MAX_TOKENS_WITHOUT_WINDOW
 from flashspec.select import Selection
 
 
@@ -109,9 +109,9 @@ def test_draft_lengths_are_bounded(gamma):
 
 
 def test_a_model_without_a_context_window_is_bounded(monkeypatch):
-    import flashspec.request
+    import flashspec.decode.request
 
-    monkeypatch.setattr(flashspec.request, "context_window", lambda config: None)  # a config naming none
+    monkeypatch.setattr(flashspec.decode.request, "context_window", lambda config: None)  # a config naming none
     engine = SpeculativeEngine(TARGET, [])
     with pytest.raises(ValueError, match="names no context window"):
         engine.generate([PROMPT], max_new_tokens=MAX_TOKENS_WITHOUT_WINDOW)
@@ -293,7 +293,7 @@ def test_a_model_in_eval_mode_is_not_switched_and_mixed_modes_come_back_module_b
     """eval_mode (SPEC.md §5): a model wholly in eval mode is left alone (no module's mode is
     set: switching cost milliseconds per call); a model with one submodule in training mode runs
     wholly in eval mode and gets back exactly that submodule's mode."""
-    from flashspec.models import eval_mode
+    from flashspec.models.loading import eval_mode
 
     still, mixed = llama(seed=7).eval(), llama(seed=8).eval()
     mixed.model.layers[0].mlp.train()
@@ -384,9 +384,9 @@ def test_a_saved_encoder_is_refused_as_not_causal(tmp_path):
 @pytest.mark.parametrize("spec", ["ngramm", "Qwen/No-Such-Model-Here"])
 def test_a_hub_id_that_cannot_be_fetched_fails_at_once(spec, monkeypatch):
     """Before: 'NGRAM' or a typo was taken for a hub id and retried for about 23 s."""
-    import flashspec.models
+    import flashspec.models.loading
 
-    monkeypatch.setattr(flashspec.models, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(flashspec.models.loading, "hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(ValueError, match="neither a local folder or file"):
         SpeculativeEngine(TARGET, [spec])
     with pytest.raises(ValueError, match="neither a local folder or file"):

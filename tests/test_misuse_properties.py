@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from flashspec import SpeculativeEngine
 from flashspec.cli import main
-from flashspec.request import prompt_rows
+from flashspec.decode.request import prompt_rows
 
 VOCAB = 32
 CONTEXT = 64

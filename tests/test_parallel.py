@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from flashspec import SpeculativeEngine
-from flashspec.parallel import check_shardable, shard_model
+from flashspec.models.parallel import check_shardable, shard_model
 
 import parallel_worker as worker
 

@@ -16,7 +16,7 @@ from chat_tokenizer import save_tiny_chat_pair
 from tiny_models import noisy_copy, tiny_model
 
 from flashspec import SpeculativeEngine
-from flashspec.batching import Batch, BatchFull
+from flashspec.decode.batch import Batch, BatchFull
 from flashspec.serve import build, default_warmup_lengths, start_server
 
 PROMPTS = ["Hello world", "def f(x):", "a", "The quick brown fox jumps", "0123456789" * 3, "zz top"]
@@ -286,7 +286,7 @@ def test_bad_requests_get_400(served, body, words):
 
 
 def test_disconnect_cancels_and_frees_rows(served, monkeypatch):
-    from flashspec.batching import Batch
+    from flashspec.decode.batch import Batch
 
     server, client, _ = served
     before = _metric(server, 'flashspec_requests_total{outcome="cancelled"}')
@@ -420,7 +420,7 @@ def test_build_warms_up_the_default_lengths_unless_it_is_given_its_own(monkeypat
     device, compile, the batch's max_length) — here forced to the CUDA list, so that long prefills
     really run (on the CPU, tiny model) — also when max_length is left to the model's window
     (256); explicit lengths override it, clamped to ``max_length - 2`` and each run once."""
-    from flashspec import serve
+    from flashspec.serve import server as serve
 
     calls, warmed = [], []
     real = serve.default_warmup_lengths

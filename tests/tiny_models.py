@@ -156,12 +156,12 @@ class CharTokenizer:
 
 
 def write_tiny_corpus(folder, lines: int = 3000, seed: int = 0):
-    """The corpus folder's three file names (``flashspec.bench.corpus.DOMAINS``), each ``lines`` short
+    """The corpus folder's three file names (``flashspec.data.corpus.DOMAINS``), each ``lines`` short
     lines of random words, xz-compressed; returns ``folder``."""
     import lzma
     import random
 
-    from flashspec.bench.corpus import DOMAINS
+    from flashspec.data.corpus import DOMAINS
 
     rng = random.Random(seed)
     for name in DOMAINS.values():

@@ -1,9 +1,9 @@
 """``flashspec bench acceptance``: how many drafts each drafter gets accepted, by γ, domain and prompt style.
 
-For every drafter, every γ, every corpus domain (:data:`~flashspec.bench.corpus.DOMAINS`) and
+For every drafter, every γ, every corpus domain (:data:`~flashspec.data.corpus.DOMAINS`) and
 every prompt style — ``text``: continuations of held-out corpus text
-(:func:`~flashspec.bench.corpus.heldout_prompts`); ``chat``: chat-formatted requests around
-held-out snippets (:func:`~flashspec.bench.corpus.chat_requests`) — the prompts are decoded with
+(:func:`~flashspec.data.corpus.heldout_prompts`); ``chat``: chat-formatted requests around
+held-out snippets (:func:`~flashspec.data.corpus.chat_requests`) — the prompts are decoded with
 one fixed arm (selector ``"fixed"``, ``gammas=[γ]``), EOS disabled (every row generates exactly
 ``max_new_tokens``), and the run records drafts accepted per step, tokens per step, the
 acceptance rate α, decode tokens/s and the drafter's share of decode time. One engine per
@@ -20,15 +20,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..drafters import ModelDrafter
-from ..engine import SpeculativeEngine
-from .corpus import (
+from ..data.corpus import (
     DOMAINS,
     HELDOUT_FRACTION,
     chat_requests,
     heldout_prompts,
     store_drafters,
 )
+from ..drafters import ModelDrafter
+from ..engine import SpeculativeEngine
 from .e2e import _is_model, _is_self_drafter, _machine, drafter_name
 from .results import pyplot, save_figure, write_results
 
@@ -305,7 +305,7 @@ def load_and_run(
     :func:`write`. ``ngram`` and the self-drafter specs go to the engines as strings;
     ``store:DOMAIN`` becomes a datastore over that domain's training text. ``options`` go to
     :func:`run`."""
-    from ..models import load_model, load_tokenizer
+    from ..models.loading import load_model, load_tokenizer
 
     names = [drafter_name(d) for d in drafts]
     check_options(drafters=names, gammas=gammas, styles=styles, prompts_per_domain=prompts_per_domain,

@@ -1,7 +1,7 @@
 """``flashspec bench core`` and ``flashspec bench forward``: speculative vs target-only decoding
 on held-out prompts, side by side in one run, and the cost of one cached forward.
 
-Prompts come from the held-out part of the three-domain corpus (:mod:`flashspec.bench.corpus`:
+Prompts come from the held-out part of the three-domain corpus (:mod:`flashspec.data.corpus`:
 the last 5 % of each file's decompressed bytes, which no training script reads). Each prompt is
 decoded by the target alone and speculatively, alternating, so both see the same machine state;
 we report ratios.
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..data.corpus import DOMAINS, HELDOUT_FRACTION, heldout_prompts
 from ..engine import SpeculativeEngine
-from .corpus import DOMAINS, HELDOUT_FRACTION, heldout_prompts
 
 __all__ = ["run_core", "run_forward_costs", "summarize", "summarize_forward_costs"]
 
@@ -116,8 +116,8 @@ def run_forward_costs(
 ) -> dict[str, Any]:
     """Median wall time of one cached forward over ``n`` new tokens after a ``context``-token
     prefix, per model and dtype: what a drafting step and a verification step cost."""
-    from ..cache import make_lm
-    from ..models import load_model
+    from ..models.cached import make_lm
+    from ..models.loading import load_model
 
     rows = []
     for dtype in dtypes:

@@ -10,7 +10,7 @@ static cache, assisted by each model drafter, prompt lookup) and FlashSpec (targ
 fixed (drafter, γ) arm, Thompson-sampling bandit over all arms with one state per domain).
 A new drafter or verification mode is one more entry there.
 
-Prompts: ``heldout_prompts`` (:mod:`flashspec.bench.corpus`) cuts them from the last 5 % of each corpus
+Prompts: ``heldout_prompts`` (:mod:`flashspec.data.corpus`) cuts them from the last 5 % of each corpus
 file's decompressed bytes (from the first line start after the 95 % mark), starting at a random
 line among the first 90 % of the held-out lines (seeded per domain). Each prompt is then cut to
 a length drawn uniformly from the regime's range; the short regime's prompts are the first
@@ -35,21 +35,21 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import make_lm
-from ..drafters import History, ModelDrafter, NgramDrafter
-from ..engine import SpeculativeEngine
-from ..sampling import SamplingParams
-from ..select import SELECTORS
-from ..select.guard import DEFAULT_SLACK, check_slack
-from .corpus import (
+from ..data.corpus import (
     DOMAINS,
     HELDOUT_FRACTION,
     chat_requests,
     heldout_prompts,
     store_drafters,
 )
+from ..drafters import History, ModelDrafter, NgramDrafter
+from ..engine import SpeculativeEngine
+from ..models.cached import make_lm
+from ..sampling import SamplingParams
+from ..select import SELECTORS
+from ..select.guard import DEFAULT_SLACK, check_slack
+from ..tuning.timing import best_seconds, cached_forward_seconds, measured
 from .results import pyplot, save_figure, write_results
-from .timing import best_seconds, cached_forward_seconds, measured
 
 __all__ = [
     "FAMILIES",
@@ -569,7 +569,7 @@ def make_prompts(
     """Prompts per regime and domain: held-out corpus text (``tokenizer`` and ``corpus``), or
     random token ids in one domain ``"random"`` (``vocab_size``; for random-weight models).
 
-    ``style="chat"``: chat-formatted requests (:func:`~flashspec.bench.corpus.chat_requests`),
+    ``style="chat"``: chat-formatted requests (:func:`~flashspec.data.corpus.chat_requests`),
     the same for every regime and kept whole: the regimes' prompt lengths are ignored (cutting
     a request would drop its chat template's generation prompt); only their new tokens apply.
     ``snippet_tokens``: the corpus snippet's length inside each chat request."""
@@ -895,7 +895,7 @@ def _summarize_cell(cell: dict[str, Any], chosen: list[System], names: list[str]
 
 def _never_slower(calls: list[dict[str, Any]], chosen: list[System], floor: float = 0.97,
                   margin: float = 0.05) -> dict[str, Any] | None:
-    """Issue 23's check of every learning FlashSpec system (bandit, auto): each call's tokens/s
+    """The never-slower check of every learning FlashSpec system (bandit, auto): each call's tokens/s
     over FlashSpec target-only's on the same batch (the lowest, and how many fall below
     ``floor``), and per domain the median of those ratios over the best fixed arm's median
     (chosen in hindsight on this very workload), against ``1 - margin`` where that arm pays."""
@@ -1118,7 +1118,7 @@ def _cell_lines(results: dict[str, Any], cell: dict[str, Any]) -> list[str]:
         lines.append("")
     never = cell.get("never_slower")
     if never and never["systems"]:
-        lines += [f"Never slower (issue 23): each call's tokens/s over FlashSpec target-only's on the same batch; "
+        lines += [f"Never slower: each call's tokens/s over FlashSpec target-only's on the same batch; "
                   f"goal: no call below {never['floor']:.2f}×, and where the best fixed arm (chosen in hindsight) "
                   f"pays, within {never['margin']:.0%} of it.", "",
                   "| system | calls | lowest call | calls below | " + " | ".join(
@@ -1324,7 +1324,7 @@ def load_and_run(
         raise ValueError(f"style must be one of {', '.join(STYLES)}; got {style!r}.")
     if shaped and style != "text":
         raise ValueError("--shaped decodes random token ids; --style chat needs corpus prompts and a tokenizer.")
-    from ..models import load_model, load_tokenizer
+    from ..models.loading import load_model, load_tokenizer
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = getattr(torch, dtype)

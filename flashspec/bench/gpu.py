@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 
-from ..cache import StaticLM
+from ..data.corpus import DOMAINS, heldout_prompts
 from ..drafters.feature import FeatureDrafter
 from ..drafters.shallow import ShallowDrafter
 from ..engine import SpeculativeEngine
 from ..kernels import pdl
-from .corpus import DOMAINS, heldout_prompts
+from ..models.static import StaticLM
+from ..tuning.timing import forward_seconds, synchronize
 from .results import write_results
-from .timing import forward_seconds, synchronize
 
 SHAPES = {
     # Llama-3-8B, Llama-3.2-1B and Qwen2.5-1.5B/0.5B shapes (public configs); random weights.
@@ -323,8 +323,8 @@ def run(
     ``maps_table``: also time the real target's forward per set of decode-linear maps (it
     captures the forward once per set); ``hf_baseline``: also time transformers' eager
     ``generate`` on it."""
+    from ..models.loading import load_model, load_tokenizer
     from . import kernels as bench_kernels
-    from ..models import load_model, load_tokenizer
 
     if not torch.cuda.is_available():
         raise ValueError("flashspec bench gpu needs a CUDA GPU.")

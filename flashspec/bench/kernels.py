@@ -4,7 +4,7 @@
 device-to-device copy); :func:`bench_verify` times ``verify`` on both backends over a grid of
 batch sizes, γ, vocabularies and modes, checks that both agree on each input, and reports the
 Triton path's achieved bandwidth against that ceiling; :func:`format_table` renders the rows as
-markdown. The timers are :mod:`flashspec.bench.timing`'s. Importing this module needs neither
+markdown. The timers are :mod:`flashspec.tuning.timing`'s. Importing this module needs neither
 CUDA nor Triton (Triton is imported by ``verify`` when the Triton backend runs).
 """
 
@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 
 from ..sampling import SamplingParams, probabilities, sample
+from ..tuning.timing import alternating, event_seconds, graph_replay_seconds
 from ..verify import verify
-from .timing import alternating, event_seconds, graph_replay_seconds
 
 __all__ = ["bench_verify", "format_table", "measure_copy_bandwidth", "parity_stress"]
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..data.corpus import DOMAINS, HELDOUT_FRACTION, heldout_prompts
 from ..engine import SpeculativeEngine
 from ..select import SELECTORS
-from .corpus import DOMAINS, HELDOUT_FRACTION, heldout_prompts
 
 __all__ = ["bandit_configs", "run_selection", "summarize_selection"]
 

@@ -1,4 +1,4 @@
-"""``flashspec bench serve``: a bounded load test of ``flashspec serve`` on loopback (issue 21).
+"""``flashspec bench serve``: a bounded load test of ``flashspec serve`` on loopback (SPEC.md §12).
 
 The server runs in this process (:func:`flashspec.serve.start_server`, a free port) and the
 official ``openai`` client (``AsyncOpenAI``) talks to it over HTTP. Phases, in this order:
@@ -17,7 +17,7 @@ official ``openai`` client (``AsyncOpenAI``) talks to it over HTTP. Phases, in t
 5. **Offline check**: with the servers stopped, ``engine.generate`` of every greedy prompt (same
    engine, same settings); each greedy stream must equal it — text and token count.
 
-Prompts come from the corpus' held-out text (:func:`~flashspec.bench.corpus.heldout_text`) or,
+Prompts come from the corpus' held-out text (:func:`~flashspec.data.corpus.heldout_text`) or,
 when the corpus is missing, from a fixed word list (the results say which).
 """
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .corpus import CHAT_INSTRUCTIONS, DOMAINS, _chat_ids, heldout_text
+from ..data.corpus import CHAT_INSTRUCTIONS, DOMAINS, _chat_ids, heldout_text
 from .results import write_results
 
 __all__ = ["WORDS", "check_options", "make_workload", "run", "summarize", "write"]
@@ -241,7 +241,7 @@ async def _warm_client_offline() -> None:
     transport (``httpx.MockTransport``), never the server: the first stream a process parses pays
     the client library's own one-time costs (lazy imports, response models), which on this
     machine's CPU put about 10 ms on the first request's measured time to first token (median
-    of 8 trials, BENCHMARKS.md, session 25) — a cost of the client, not of the server's first
+    of 8 trials on an H200; BENCHMARKS.md, "The server") — a cost of the client, not of the server's first
     request."""
     import json
 

@@ -2,10 +2,10 @@
 
 Launch one process per GPU::
 
-    torchrun --standalone --nproc-per-node 2 -m flashspec bench tp --out benchmarks/results/tp
-    flashspec bench tp --summarize benchmarks/results/tp      # markdown table of all runs
+    torchrun --standalone --nproc-per-node 2 -m flashspec bench tp --out bench-results/tp
+    flashspec bench tp --summarize bench-results/tp      # markdown table of all runs
 
-(``benchmarks/tp_h200.sh`` runs 1, 2 and, where there are 4 GPUs, 4 processes, then the summary.)
+(``benchmarks/tp.sh`` runs 1, 2 and, where there are 4 GPUs, 4 processes, then the summary.)
 ``flashspec bench tp`` turns its flags into a :class:`TPOptions` and calls :func:`run`. With
 ``N`` processes, rank 0 writes ``OUT/tp{N}.json``. Sections:
 
@@ -49,10 +49,16 @@ import torch.distributed as dist
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 from ..engine import SpeculativeEngine  # noqa: E402
-from ..parallel import TensorParallel, check_shardable, init_tensor_parallel, local_device, shard_model  # noqa: E402
+from ..models.parallel import (  # noqa: E402
+    TensorParallel,
+    check_shardable,
+    init_tensor_parallel,
+    local_device,
+    shard_model,
+)
+from ..tuning.timing import forward_seconds, synchronize  # noqa: E402
 from .gpu import SHAPES, kv_bytes_per_token, weight_bytes_per_token  # noqa: E402
 from .results import write_results  # noqa: E402
-from .timing import forward_seconds, synchronize  # noqa: E402
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, initializer_range=0.2)
@@ -83,7 +89,7 @@ ALPHA = 1e-3
 class TPOptions:
     """What a run does (``flashspec bench tp``'s flags); recorded as the JSON's ``settings``."""
 
-    out: str = "benchmarks/results/tp"  # folder for tp{N}.json (rank 0 writes)
+    out: str = "bench-results/tp"  # folder for tp{N}.json (rank 0 writes)
     compile: bool = True  # torch.compile the decode forwards in the throughput section
     max_new_tokens: int = 128
     prompt_tokens: int = 128
@@ -243,7 +249,12 @@ def equality_shaped(tp: TensorParallel, device: torch.device, smoke: bool, new_t
 def _exact_law(model, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """P(x1, x2, x3) after ``DIST_PROMPT`` for every continuation, ``[V, V, V]``, by enumeration
     with transformers' own logits warpers (not FlashSpec's sampling code)."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
     if top_k:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..train import training_totals
+from ..training.train import training_totals
 from .results import pyplot, save_figure, write_results
 
 __all__ = ["read_record", "training_table", "bench_training"]

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..models import DTYPES
+from ..models.loading import DTYPES
 
 __all__ = ["add_parsers"]
 
@@ -41,7 +41,7 @@ def _core_parser(sub: Any) -> None:
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 means greedy")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--out", default="benchmarks/results/core_cpu.json")
+    p.add_argument("--out", default="bench-results/core.json")
     p.set_defaults(run=bench_core)
 
 
@@ -51,7 +51,7 @@ def _forward_parser(sub: Any) -> None:
     p.add_argument("--draft", default=None, help="default: the demo's 0.5B drafter")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default="benchmarks/results/forward_cpu.json")
+    p.add_argument("--out", default="bench-results/forward.json")
     p.set_defaults(run=bench_forward)
 
 
@@ -60,8 +60,8 @@ def _bandit_parser(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=10_000, help="horizon T")
     p.add_argument("--arms", type=int, default=3, help="number of arms K")
     p.add_argument("--seeds", type=int, default=20, help="runs per selector and scenario")
-    p.add_argument("--json", dest="json_path", default="benchmarks/results/bandit.json")
-    p.add_argument("--plot", default="benchmarks/results/bandit.png", help="regret curves (PNG)")
+    p.add_argument("--json", dest="json_path", default="bench-results/bandit.json")
+    p.add_argument("--plot", default="bench-results/bandit.png", help="regret curves (PNG)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=bench_bandit)
 
@@ -85,7 +85,7 @@ def _select_parser(sub: Any) -> None:
     p.add_argument("--warm-start-prompts", type=int, default=0,
                    help="also run each bandit warm-started on this many training-text prompts per domain")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode forwards (worth it on a GPU)")
-    p.add_argument("--out", default="benchmarks/results/select_cpu.json")
+    p.add_argument("--out", default="bench-results/select.json")
     p.set_defaults(run=bench_select)
 
 
@@ -104,7 +104,7 @@ def _gpu_parser(sub: Any) -> None:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--out", default="benchmarks/results/gpu_h200")
+    p.add_argument("--out", default="bench-results/gpu")
     p.set_defaults(run=bench_gpu)
 
 
@@ -148,7 +148,7 @@ def _e2e_parser(sub: Any) -> None:
     p.add_argument("--shaped", action="store_true",
                    help="random-weight Llama-3-8B-shaped target, Llama-3.2-1B-shaped drafter and ngram, random "
                         "prompts: step costs only (acceptance is meaningless)")
-    p.add_argument("--out", default="benchmarks/results/e2e", help="folder for e2e.json, e2e.md and the PNGs")
+    p.add_argument("--out", default="bench-results/e2e", help="folder for e2e.json, e2e.md and the PNGs")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--rewrite-report", metavar="DIR", default=None,
                    help="decode nothing: recompute the tables and plots of a previous run's DIR/e2e.json")
@@ -179,7 +179,7 @@ def _acceptance_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--compile", action="store_true", help="torch.compile the decode forwards (GPU)")
     p.add_argument("--no-warm-up", action="store_true", help="skip the untimed call per engine and style")
-    p.add_argument("--out", default="benchmarks/results/acceptance",
+    p.add_argument("--out", default="bench-results/acceptance",
                    help="folder for acceptance.json, acceptance.md and acceptance.png")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=bench_acceptance)
@@ -196,7 +196,7 @@ def _training_parser(sub: Any) -> None:
 def _tp_parser(sub: Any) -> None:
     p = sub.add_parser("tp", help="tensor parallelism: equality, distribution and throughput checks; "
                                   "one process per GPU: torchrun --nproc-per-node N -m flashspec bench tp")
-    p.add_argument("--out", default="benchmarks/results/tp", help="folder for tp{N}.json (rank 0 writes)")
+    p.add_argument("--out", default="bench-results/tp", help="folder for tp{N}.json (rank 0 writes)")
     p.add_argument("--summarize", metavar="DIR", default=None,
                    help="run nothing: write DIR/tp.md from the tp*.json of earlier runs and print it")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -215,7 +215,7 @@ def _tp_parser(sub: Any) -> None:
 
 def _serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="load test of flashspec serve on loopback: concurrent streaming clients, "
-                                     "a burst past the queue, TTFT of new prompt lengths (issue 21)")
+                                     "a burst past the queue, TTFT of new prompt lengths (SPEC.md §12)")
     p.add_argument("--target", required=True, help="folder, hub id or .gguf file")
     p.add_argument("--draft", action="append", default=None, help="a drafter (repeatable); default: ngram")
     p.add_argument("--tokenizer", default=None)
@@ -241,7 +241,7 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode forwards (GPU); each server warms up every compiled shape at start")
-    p.add_argument("--out", default="benchmarks/results/serve_cpu", help="folder for serve.json and serve.md")
+    p.add_argument("--out", default="bench-results/serve", help="folder for serve.json and serve.md")
     p.set_defaults(run=bench_serve)
 
 
@@ -301,7 +301,7 @@ def _dtypes(text: str) -> tuple[str, ...]:
 
 def _report(out: str, results: dict[str, Any], table: str) -> None:
     """Write ``results`` to ``out`` (JSON) and ``table`` beside it (``.md``); print the table."""
-    from .results import write_results
+    from ..bench.results import write_results
 
     write_results(Path(out), results, table)
     print(table)
@@ -310,7 +310,7 @@ def _report(out: str, results: dict[str, Any], table: str) -> None:
 # ----------------------------------------------------------------------------- commands
 def bench_core(args: argparse.Namespace) -> None:
     """Speculative vs target-only on held-out corpus prompts (BENCHMARKS.md)."""
-    from . import core
+    from ..bench import core
 
     temperatures = _temperatures(args.temperatures)
     engine = _engine(args.target or _demo_target(), [args.draft or _demo_draft()], args.tokenizer,
@@ -325,7 +325,7 @@ def bench_core(args: argparse.Namespace) -> None:
 
 def bench_forward(args: argparse.Namespace) -> None:
     """Cost of one cached forward by model, dtype and token count."""
-    from . import core
+    from ..bench import core
 
     dtypes = _dtypes(args.dtypes)
     specs = {"target": args.target or _demo_target(), "drafter": args.draft or _demo_draft()}
@@ -335,7 +335,7 @@ def bench_forward(args: argparse.Namespace) -> None:
 
 def bench_bandit(args: argparse.Namespace) -> None:
     """The selectors' regret on simulated arms, with a plot."""
-    from . import bandit
+    from ..bench import bandit
 
     results = bandit.run(steps=args.steps, arms=args.arms, seeds=args.seeds, json_path=args.json_path,
                          plot_path=args.plot, progress=not args.no_progress)
@@ -344,7 +344,7 @@ def bench_bandit(args: argparse.Namespace) -> None:
 
 def bench_select(args: argparse.Namespace) -> None:
     """Bandits against every fixed (drafter, γ) arm on a mixed real workload."""
-    from . import select
+    from ..bench import select
 
     gammas = _gammas(args.gammas)
     if args.warm_start_prompts < 0:
@@ -353,8 +353,8 @@ def bench_select(args: argparse.Namespace) -> None:
     target = args.target or _demo_target()
     drafts = args.draft or [_demo_draft(), "ngram"]
     if any(d.startswith("store:") for d in drafts):
-        from ..models import load_tokenizer
-        from .corpus import store_drafters
+        from ..data.corpus import store_drafters
+        from ..models.loading import load_tokenizer
 
         drafts = store_drafters(drafts, Path(args.corpus), load_tokenizer(args.tokenizer or target))
     engine = _engine(target, drafts, args.tokenizer, args.device, args.dtype, gammas=gammas, selector="fixed",
@@ -369,7 +369,7 @@ def bench_select(args: argparse.Namespace) -> None:
 
 def bench_gpu(args: argparse.Namespace) -> None:
     """The H200 report: verify kernels, roofline, step anatomy, drift (CUDA)."""
-    from . import gpu
+    from ..bench import gpu
 
     shaped = tuple(_names(args.shaped))
     for name in shaped:
@@ -386,7 +386,7 @@ def bench_gpu(args: argparse.Namespace) -> None:
 
 def bench_e2e(args: argparse.Namespace) -> None:
     """Every system side by side on the same prompts: transformers and FlashSpec."""
-    from . import e2e
+    from ..bench import e2e
 
     if args.rewrite_report:
         for path in e2e.rewrite_report(Path(args.rewrite_report)):
@@ -417,14 +417,14 @@ def bench_e2e(args: argparse.Namespace) -> None:
 
 def bench_training(args: argparse.Namespace) -> None:
     """The training records of trained drafters as one table and one plot."""
-    from .training import bench_training as run
+    from ..bench.training import bench_training as run
 
     print(run(args.checkpoints, args.out))
 
 
 def bench_acceptance(args: argparse.Namespace) -> None:
     """Accepted drafts per step for every drafter × γ × domain × prompt style."""
-    from . import acceptance, e2e
+    from ..bench import acceptance, e2e
 
     gammas = _gammas(args.gammas)
     styles = _names(args.styles)
@@ -448,7 +448,7 @@ def bench_tp(args: argparse.Namespace) -> None:
     """Tensor-parallel checks and timings (one process per GPU under torchrun), or their summary."""
     from dataclasses import fields
 
-    from . import tp
+    from ..bench import tp
 
     if args.summarize:
         print(tp.summarize(Path(args.summarize)))
@@ -467,8 +467,8 @@ def _lengths(name: str, text: str) -> tuple[int, ...]:
 
 
 def bench_serve(args: argparse.Namespace) -> None:
-    """``flashspec serve`` under load on loopback (issue 21)."""
-    from . import serve
+    """``flashspec serve`` under load on loopback (SPEC.md §12)."""
+    from ..bench import serve
 
     options = dict(clients=args.clients, requests=args.requests, sequential=args.sequential,
                    min_tokens=args.min_tokens, max_tokens=args.max_tokens,

@@ -16,6 +16,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from ..checks import check_int
+
 __all__ = ["CHAT_INSTRUCTIONS", "DOMAINS", "HELDOUT_FRACTION", "chat_requests", "heldout_prompts", "heldout_text",
            "store_drafters", "training_text"]
 
@@ -71,8 +73,7 @@ def heldout_text(corpus_dir: Path, domain: str, part: str = "heldout") -> str:
 def training_text(corpus_dir: Path, domain: str, max_bytes: int = 4_000_000) -> str:
     """The last ``max_bytes`` of the domain's training part (the first 95 %, cut at line
     starts): text a retrieval drafter may index without seeing the held-out prompts."""
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ValueError(f"max_bytes must be an integer >= 1; got {max_bytes!r}.")
+    check_int("max_bytes", max_bytes, 1)
     data, cut = _split(corpus_dir, domain)
     begin = max(0, cut - max_bytes)
     if begin:
@@ -142,9 +143,8 @@ def chat_requests(
     tokens of the domain's held-out text (``part="train"``: training text, as in
     :func:`heldout_prompts`) inside a user instruction drawn from :data:`CHAT_INSTRUCTIONS`,
     tokenized through the tokenizer's chat template with the generation prompt (fixed seed)."""
-    for name, value in (("count", count), ("snippet_tokens", snippet_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
+    check_int("count", count, 1)
+    check_int("snippet_tokens", snippet_tokens, 1)
     text = heldout_text(corpus_dir, domain, part)
     _chat_ids(tokenizer, "")  # no chat template: say so before cutting snippets
     line_starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n" and i + 1 < len(text)]

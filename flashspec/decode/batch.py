@@ -1,13 +1,13 @@
 """Continuous batching: requests join a running batch at step boundaries and leave it when done.
 
-A :class:`Batch` is a step-level handle on the engine's one decode loop (:mod:`flashspec.loop`):
-it owns a :class:`~flashspec.loop.Workspace` of fixed *slots* (rows) and a fixed capacity, and
+A :class:`Batch` is a step-level handle on the engine's one decode loop (:mod:`flashspec.decode.loop`):
+it owns a :class:`~flashspec.decode.workspace.Workspace` of fixed *slots* (rows) and a fixed capacity, and
 drives the loop's own stages — the same select → propose → score → verify → commit step, the
 same lagged poll — over whichever slots hold a request. What differs from ``generate`` is only
 where rows come from and what they sample with:
 
 * :meth:`Batch.add` feeds one prompt into a free slot, alone (:meth:`StaticLM.only_row
-  <flashspec.cache.StaticLM.only_row>`), and draws its first token, while the other rows wait;
+  <flashspec.models.static.StaticLM.only_row>`), and draws its first token, while the other rows wait;
 * every row has its own sampling parameters and its own random generator (seeded by its own
   ``seed``), so its random numbers do not depend on which other rows share the batch;
 * :meth:`Batch.step` runs one speculative step over every slot, then reports each request's new
@@ -26,23 +26,18 @@ from typing import Any
 
 import torch
 
-from .cache import StaticLM
-from .drafters import (
-    DatastoreDrafter,
-    EarlyExitDrafter,
-    FeatureDrafter,
-    ModelDrafter,
-    NgramDrafter,
-    ShallowDrafter,
-)
-from .drafters.base import Growth
-from .graphs import Graphs, window_widths
-from .loop import FAULTS, Plan, Workspace, _Run, commit_tokens
-from .models import context_window, eval_mode
-from .request import MAX_TOKENS_WITHOUT_WINDOW, parse_request
-from .sampling import SamplingParams
-from .stats import DrafterStats, GenerationStats
-from .verify import VerifyResult, verify
+from ..checks import check_int
+from ..drafters.base import CapturesJoins, CatchesUp, JoinsRows
+from ..models.graphs import Graphs, window_widths
+from ..models.loading import context_window
+from ..models.static import StaticLM
+from ..sampling import SamplingParams
+from ..stats import DrafterStats, GenerationStats
+from ..verify import VerifyResult, verify
+from .commit import commit_tokens
+from .loop import _Run
+from .request import MAX_TOKENS_WITHOUT_WINDOW
+from .workspace import FAULTS, Plan
 
 __all__ = ["Batch", "BatchFull", "RowUpdate"]
 
@@ -81,45 +76,21 @@ class _Row:
 
 class _BatchRun(_Run):
     """The decode loop's state over fixed slots whose rows come and go (the same stages as
-    ``generate``'s :class:`~flashspec.loop._Run`; only row admission and sampling differ)."""
+    ``generate``'s :class:`~flashspec.decode.loop._Run`; only row admission and sampling differ)."""
 
     def __init__(self, plan: Plan, stats: GenerationStats, eos: Sequence[int], max_length: int) -> None:  # noqa: D107
-        ws = plan.workspace
-        device = ws.tokens.device
-        self.plan, self.params, self.stats, self.context = plan, GREEDY, stats, None
-        self.gamma = ws.shape[2]
-        self.batch = ws.shape[0]
-        self.ws = ws
-        ws.tokens.zero_()
+        self._bind(plan, stats, GREEDY, None, eos)
+        ws, device = self.ws, self.ws.tokens.device
         ws.prompt_length.fill_(1)  # a free slot: one pending token, never active
         ws.length.fill_(1)
-        ws.generated.zero_()
         ws.max_new_tokens.zero_()
         ws.active.fill_(False)
-        ws.eos.fill_(-1)
-        ws.eos[: len(eos)] = torch.tensor(list(eos), dtype=torch.long)
-        ws.log.zero_()
-        ws.steps_taken.zero_()
-        ws.fault.zero_()
-        self.tokens, self.length, self.active, self.generated = ws.tokens, ws.length, ws.active, ws.generated
         # The host bound on row lengths starts at the batch's max_length, which no row ever passes,
         # so a row that joins never raises it; the drafters' catch-up windows, sized from how far
         # rows grew since their last proposal (self.growth), stay those of the rows already there
         # (SPEC.md §4, §12).
         self.max_length = max_length
         self.rng = None  # each row has its own (rows[b].generator)
-        self.draft_uniforms = ws.random[:, : self.gamma]
-        self.verify_uniforms = ws.random[:, self.gamma :]
-        self.vocab_size = plan.target.model.config.vocab_size
-        self._features = {} if ws.hidden is None else {"hidden_out": ws.hidden}
-        self.chosen, self.proposed, self.caught_up = [], [], []
-        self._catching_up = 0
-        from .loop import _StepClock
-
-        self.clock = _StepClock(device)
-        self.growth = Growth()  # a batch's steps, for every drafter's catch-up windows (SPEC.md §4)
-        self.polled = 0
-        self.generated_total = 0
         self.rows: list[_Row | None] = [None] * self.batch
         # The distinct sampling parameters of the occupied slots, and which slots use each
         # (masks [S] bool, one buffer row per parameter set, filled in place so that a captured
@@ -216,9 +187,8 @@ class _BatchRun(_Run):
         self.max_length = max(self.max_length, width + 1)
         history = self.history()
         for drafter in self.plan.drafters:
-            prefill_row = getattr(drafter, "prefill_row", None)
-            if prefill_row is not None:
-                prefill_row(history, b, **({} if fed == width else {"width": fed}))
+            if isinstance(drafter, JoinsRows):
+                drafter.prefill_row(history, b, **({} if fed == width else {"width": fed}))
 
     def _join_forward(self, b: int, fed: int) -> torch.Tensor:
         """The target's prefill of slot ``b`` over ``tokens[b, :fed]`` through a view of its cache
@@ -226,8 +196,8 @@ class _BatchRun(_Run):
         ws, one = self.ws, slice(b, b + 1)
         features = {} if ws.hidden is None else {"hidden_out": {n: h[one] for n, h in ws.hidden.items()}}
         with self.plan.target.only_row(b):
-            return self.plan.target.forward(ws.tokens[one, :fed], self._join_start, None, logits_at=self._join_last,
-                                            eager=True, **features)
+            return self.plan.target.prefill(ws.tokens[one, :fed], self._join_start, None, logits_at=self._join_last,
+                                            **features)
 
     def capture_joins(self, longest: int) -> None:
         """Pad joins to §7's prefill widths up to ``longest`` (the batch's ``max_length``: no
@@ -241,9 +211,8 @@ class _BatchRun(_Run):
                 self.join_graphs.run(("join", b, fed), lambda b=b, fed=fed: self._join_forward(b, fed), warm=True)
         history = self.history()
         for drafter in self.plan.drafters:
-            capture = getattr(drafter, "capture_joins", None)
-            if capture is not None:
-                capture(history, self.prefill_widths)
+            if isinstance(drafter, CapturesJoins):
+                drafter.capture_joins(history, self.prefill_widths)
 
     # The widths a joining prompt is fed at (set by Batch.warmup on CUDA, SPEC.md §12): a prompt
     # is padded to the narrowest of them that holds it; () or a longer prompt: its own length.
@@ -294,61 +263,38 @@ class Batch:
     arms that have none of their own.
     """
 
-    # Captured steps kept at once (one per draft length and set of sampling parameters in the
-    # batch); past it every graph is dropped and captured again as the sets recur.
-    GRAPHS = 32
-
     def __init__(self, engine: Any, *, slots: int = 8, max_length: int | None = None,
                  num_draft_tokens: int = 4, eos_token_id: Any = None) -> None:
-        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024:
-            raise ValueError(f"slots must be an integer from 1 to 1024; got {slots!r}.")
-        if not isinstance(engine._target_lm, StaticLM):
+        check_int("slots", slots, 1, 1024)
+        if not isinstance(engine.target_lm, StaticLM):
             raise ValueError("Continuous batching needs a target over FlashSpec's static cache "
                              f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
-        if engine._tp is not None:
+        if engine.tensor_parallel is not None:
             raise ValueError("Continuous batching does not support tensor-parallel targets yet.")
         for d in engine.drafters:
-            if not (isinstance(d, (NgramDrafter, DatastoreDrafter, EarlyExitDrafter, FeatureDrafter, ShallowDrafter))
-                    or (isinstance(d, ModelDrafter) and isinstance(d._lm, StaticLM))):
-                raise ValueError(f"Drafter {d.name!r} cannot join a running batch: continuous batching supports "
-                                 "'ngram', datastore, 'early-exit:N', 'feature:DIR', 'shallow:DIR' and model "
-                                 "drafters over FlashSpec's static cache (a drafter with a cache of its own must "
-                                 "be able to feed one new row alone).")
+            if isinstance(d, CatchesUp) and not (isinstance(d, JoinsRows) and d.joins_rows):
+                raise ValueError(f"Drafter {d.name!r} cannot join a running batch: a drafter with a cache of its own "
+                                 "must be able to feed one new row alone (prefill_row); model drafters need "
+                                 "FlashSpec's static cache (architectures "
+                                 f"{', '.join(StaticLM.ARCHITECTURES)}).")
         window = context_window(engine.target.config) or MAX_TOKENS_WITHOUT_WINDOW
         if max_length is None:
             max_length = min(window, 4096)
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or not 2 <= max_length <= window:
-            raise ValueError(f"max_length must be an integer from 2 to the context window ({window}); got {max_length!r}.")
+        check_int("max_length", max_length, 2, window, upto=f"the context window ({window})")
         self.engine, self.slots, self.max_length = engine, slots, max_length
         self.num_draft_tokens = num_draft_tokens
         self._eos_token_id = eos_token_id
-        gammas = [0 if d is None else g or num_draft_tokens for d, g in engine.arms]
-        gamma = max(gammas, default=num_draft_tokens)
-        self.gamma = gamma
-        capacity = -(-(max_length + gamma + 2) // 256) * 256
-        eos = parse_request([0], **self._defaults(1, False, 1.0, 0, 1.0, None)).eos
+        self.gamma = max(engine.arm_gammas(num_draft_tokens), default=num_draft_tokens)
+        eos = engine.parse([0], **self._defaults(1, False, 1.0, 0, 1.0, None)).eos
         self._stack = contextlib.ExitStack()
-        self._stack.enter_context(engine._generating)
-        models = [engine.target] + [d.model for d in engine.drafters if isinstance(d, ModelDrafter)]
-        self._stack.enter_context(eval_mode(*models))
+        self._stack.enter_context(engine.session())
         try:
             with torch.inference_mode():
-                if engine._target_lm.reset(slots, capacity):
-                    engine._graphs.clear()
-                    engine._buffers = None
-                shape = (slots, capacity, gamma, max(len(eos), 1), engine.target.config.hidden_size,
-                         engine._feature_layers)
-                workspace = Workspace(*shape, engine.target.device, dtype=engine.target.dtype)
+                plan = engine.plan(rows=slots, length=max_length, num_draft_tokens=num_draft_tokens, num_eos=len(eos),
+                                   running_batch=True)  # one guard: one budget for the batch's lifetime
                 self.stats = GenerationStats(
                     per_drafter={d.name: DrafterStats() for d in engine.drafters},
-                    per_arm={engine.arm_label(a, num_draft_tokens): DrafterStats() for a in range(len(engine.arms))})
-                plan = Plan(target=engine._target_lm, drafters=engine.drafters, arm_drafters=[d for d, _ in engine.arms],
-                            arm_gammas=gammas, labels=[engine.arm_label(a, num_draft_tokens) for a in range(len(engine.arms))],
-                            selector=engine.selection.for_request(None),
-                            guard=engine.new_guard(gammas),  # one budget for the batch's lifetime
-                            graphs=Graphs(enabled=engine._graphs.enabled, limit=self.GRAPHS),
-                            workspace=workspace, commit_step=engine._commit_step,
-                            stage_drafts=engine._stage_drafts, tp=None, queue_ahead=False)
+                    per_arm={label: DrafterStats() for label in plan.labels})
                 self._run = _BatchRun(plan, self.stats, eos, max_length)
         except BaseException:
             self._stack.close()
@@ -359,13 +305,9 @@ class Batch:
 
     def _defaults(self, max_new_tokens: Any, do_sample: Any, temperature: Any, top_k: Any, top_p: Any,
                   seed: Any) -> dict[str, Any]:
-        engine = self.engine
         return dict(attention_mask=None, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                     top_k=top_k, top_p=top_p, num_draft_tokens=self.num_draft_tokens,
-                    eos_token_id=self._eos_token_id, seed=seed, sync_every=1, context=None, target=engine.target,
-                    tokenizer=engine.tokenizer,
-                    drafter_models=[d.model for d in engine.drafters if isinstance(d, ModelDrafter)],
-                    gammas=[g for d, g in engine.arms if d is not None], device=engine.device)
+                    eos_token_id=self._eos_token_id, seed=seed, sync_every=1, context=None)
 
     # ------------------------------------------------------------------ the step API
     @property
@@ -380,8 +322,8 @@ class Batch:
     def check(self, prompt: Any, *, max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
               top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Any:
         """Validate one request as ``generate`` would, plus this batch's ``max_length``; return the
-        parsed :class:`~flashspec.request.Request` (a ``ValueError`` names what is wrong)."""
-        request = parse_request(prompt, **self._defaults(max_new_tokens, do_sample, temperature, top_k, top_p, seed))
+        parsed :class:`~flashspec.decode.request.Request` (a ``ValueError`` names what is wrong)."""
+        request = self.engine.parse(prompt, **self._defaults(max_new_tokens, do_sample, temperature, top_k, top_p, seed))
         if len(request.rows) != 1:
             raise ValueError(f"A batch request is one prompt; got {len(request.rows)}.")
         if request.max_new_tokens < 1:

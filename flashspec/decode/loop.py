@@ -22,113 +22,24 @@ of a step is one graph replay and the host runs ahead of the device.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from .drafters import Drafter, History
-from .drafters.base import Growth
-from .graphs import Graphs, window_widths
+from ..drafters.base import CatchesUp, Drafter, Growth, History, TimesForwards
+from ..models.graphs import window_widths
+from ..sampling import SamplingParams
+from ..select import Observation
+from ..stats import GenerationStats, StepRecord
+from ..verify import VerifyResult, verify
+from .commit import commit_tokens
 from .request import Request
-from .select import Observation, Selector
-from .select.guard import Guard
-from .stats import GenerationStats, StepRecord
-from .sampling import SamplingParams
-from .verify import VerifyResult, verify
+from .workspace import FAULTS, Plan, raise_fault
 
-__all__ = ["Plan", "Workspace", "decode", "commit_tokens", "commit_step", "stage_drafts",
-           "workspace_shape"]
-
-
-def workspace_shape(request: Request, gamma: int, hidden: int = 0,
-                    feature_layers: tuple[int, ...] = ()) -> tuple[Any, ...]:
-    """``(batch, capacity, γ, EOS ids, hidden, feature layers)`` of the buffers ``request`` needs
-    with drafts of up to ``gamma`` tokens: room for the longest row plus one step of drafts past its
-    budget (never committed), rounded up so that requests of similar sizes share buffers and graphs;
-    ``hidden`` and ``feature_layers``: the target's feature size and the layer counts after which
-    drafters read its features (SPEC.md §11; none: no feature buffers)."""
-    capacity = -(-(request.longest + request.max_new_tokens + gamma + 2) // 256) * 256
-    return len(request.rows), capacity, gamma, max(len(request.eos), 1), hidden, tuple(feature_layers)
-
-
-class Workspace:
-    """The device buffers of a decode loop, kept across ``generate`` calls of the same shape.
-
-    Captured CUDA graphs read and write these exact tensors, so they are filled in place for
-    each request and replaced (with every graph) only when the batch, capacity or γ changes.
-    """
-
-    def __init__(self, batch: int, capacity: int, gamma: int, num_eos: int, hidden: int,
-                 feature_layers: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32) -> None:
-        self.shape = (batch, capacity, gamma, num_eos, hidden, feature_layers)
-        long = dict(dtype=torch.long, device=device)
-        self.tokens = torch.zeros(batch, capacity, **long)
-        self.prompt_length = torch.zeros(batch, **long)
-        self.length = torch.zeros(batch, **long)
-        self.generated = torch.zeros(batch, **long)
-        self.max_new_tokens = torch.zeros(batch, **long)
-        self.active = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.eos = torch.full((num_eos,), -1, **long)  # -1 pads: never equal to a token
-        # Random numbers of a step: drafting [B, gamma], then verification [B, gamma + 1].
-        self.random = torch.zeros(batch, 2 * gamma + 1, dtype=torch.float64, device=device)
-        self.draft_tokens = torch.zeros(batch, gamma, **long)
-        self.draft_probs: torch.Tensor | None = None  # [B, gamma, V], allocated on first use
-        # The target's states a drafter handed back for the verify to reuse (Draft.states, SPEC.md
-        # §11): [B, gamma, hidden], allocated on first use.
-        self.draft_states: torch.Tensor | None = None
-        # Per-step log, read lagged: accepted drafts, rows still active, tokens committed.
-        self.log = torch.zeros(capacity + 1, 3, **long)
-        self.steps_taken = torch.zeros((), **long)
-        self.fault = torch.zeros(3, **long)  # the first fault: step + 1 (0: none), row, kind (FAULTS)
-        # The target's features after n layers at every fed position, for drafters that read them
-        # (SPEC.md §11): {n: [B, capacity, hidden]}, or None.
-        self.hidden = {n: torch.zeros(batch, capacity, hidden, dtype=dtype, device=device)
-                       for n in feature_layers} or None
-
-
-# What a fault's kind means (Workspace.fault[2]).
-FAULTS = {
-    1: "the target's logits are not finite (NaN or infinite): the model is broken or overflows in its dtype",
-    2: "a token draw found no finite probability mass: the drafter's probabilities are not finite or not a law",
-    3: "the drafter proposed token ids outside the target's vocabulary",
-}
-
-
-def note_fault(fault: torch.Tensor, rows: torch.Tensor, kind: int, step: torch.Tensor) -> None:
-    """Keep ``[step + 1, first row, kind]`` in ``fault`` when ``rows [B]`` (bool) marks a row and no
-    fault was noted before (tensor code only: no value goes back to the host)."""
-    hit = rows.any() & (fault[0] == 0)
-    entry = torch.stack([step + 1, rows.long().argmax(), torch.full_like(step, kind)])
-    fault.copy_(torch.where(hit, entry, fault))
-
-
-def raise_fault(fault: list[int]) -> None:
-    """A noted fault (``Workspace.fault`` read back) as the ``ValueError`` it stands for."""
-    step, row, kind = fault
-    if step:
-        raise ValueError(f"Generation stopped at decode step {step - 1}, row {row}: {FAULTS[kind]}.")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Everything one decode loop needs, handed over by the engine."""
-
-    target: Any  # the target behind its cache (flashspec.cache): forward(...), forward_seconds
-    drafters: list[Drafter]
-    arm_drafters: list[int | None]  # per arm: index into drafters (None: the target-only arm)
-    arm_gammas: list[int]  # per arm: its draft length, resolved for this request (0: target-only)
-    labels: list[str]  # per arm: "drafter@γ" ("target@0")
-    selector: Selector | None  # None: target-only (no arms)
-    guard: Guard | None  # the never-slower guard of this request (SPEC.md §8), or None
-    graphs: Graphs
-    workspace: Workspace
-    commit_step: Callable[..., None]  # commit_step, or its compiled form
-    stage_drafts: Callable[..., None]  # stage_drafts, or its compiled form
-    tp: Any  # flashspec.parallel.TensorParallel, or None on one device
-    queue_ahead: bool  # queue the next step before a poll waits (CUDA)
+__all__ = ["decode"]
 
 
 def decode(plan: Plan, request: Request, stats: GenerationStats, progress: bool = False) -> list[list[int]]:
@@ -186,38 +97,45 @@ class _Run:
     """
 
     def __init__(self, plan: Plan, request: Request, stats: GenerationStats) -> None:
-        ws = plan.workspace
-        device = ws.tokens.device
-        rows, max_new_tokens = request.rows, request.max_new_tokens
-        self.plan, self.params, self.stats, self.context = plan, request.params, stats, request.context
-        self.gamma = ws.shape[2]
-        self.batch = len(rows)
-        self.budget = self.batch * max_new_tokens
-        self.ws = ws
-        ws.tokens.zero_()
+        self._bind(plan, stats, request.params, request.context, request.eos)
+        ws, rows = self.ws, request.rows
+        self.budget = self.batch * request.max_new_tokens
         for b, r in enumerate(rows):
-            ws.tokens[b, : len(r)] = torch.tensor(r, device=device)
+            ws.tokens[b, : len(r)] = torch.tensor(r, device=ws.tokens.device)
         ws.prompt_length.copy_(torch.tensor([len(r) for r in rows]))
         ws.length.copy_(ws.prompt_length)
-        ws.generated.zero_()
-        ws.max_new_tokens.fill_(max_new_tokens)
+        ws.max_new_tokens.fill_(request.max_new_tokens)
         ws.active.fill_(True)
-        ws.eos.fill_(-1)
-        ws.eos[: len(request.eos)] = torch.tensor(request.eos, dtype=torch.long)
-        ws.log.zero_()
-        ws.steps_taken.zero_()
-        ws.fault.zero_()
-        self.tokens, self.length, self.active, self.generated = ws.tokens, ws.length, ws.active, ws.generated
         # A host-side upper bound on length.max(): + k + 1 per step, never capped (the first
         # proposal's width; catch-up windows after that come from self.growth, SPEC.md §4, §11).
         self.max_length = request.longest
-        self.rng = torch.Generator(device=device)
+        self.rng = torch.Generator(device=ws.tokens.device)
         seed = request.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
             if plan.tp is not None:
                 seed = plan.tp.shared_seed(seed)  # identical random numbers on every rank
         self.rng.manual_seed(seed)
+        for drafter in plan.drafters:
+            drafter.begin(self.batch)
+
+    def _bind(self, plan: Plan, stats: GenerationStats, params: SamplingParams, context: Any,
+              eos: Sequence[int]) -> None:
+        """What every run keeps: the plan's buffers (zeroed: no row yet), the host's per-step
+        records, the step clock and the catch-up growth."""
+        ws = plan.workspace
+        self.plan, self.params, self.stats, self.context = plan, params, stats, context
+        self.gamma = ws.shape[2]
+        self.batch = ws.shape[0]
+        self.ws = ws
+        ws.tokens.zero_()
+        ws.generated.zero_()
+        ws.eos.fill_(-1)
+        ws.eos[: len(eos)] = torch.tensor(list(eos), dtype=torch.long)
+        ws.log.zero_()
+        ws.steps_taken.zero_()
+        ws.fault.zero_()
+        self.tokens, self.length, self.active, self.generated = ws.tokens, ws.length, ws.active, ws.generated
         self.draft_uniforms = ws.random[:, : self.gamma]
         self.verify_uniforms = ws.random[:, self.gamma :]
         self.vocab_size: int = plan.target.model.config.vocab_size
@@ -227,12 +145,10 @@ class _Run:
         self.caught_up: list[int] = []  # host: the width its drafter caught up on first (0: none)
         self._catching_up = 0
         self.proposed: list[int] = []  # host: drafts per active row at each step
-        self.clock = _StepClock(device)
+        self.clock = _StepClock(ws.tokens.device)
         self.growth = Growth()  # per step, how far a row may have grown: drafters' catch-up windows (SPEC.md §4)
         self.polled = 0  # steps already handed to the stats and the selector
         self.generated_total = 0  # tokens generated so far, as of the last poll
-        for drafter in plan.drafters:
-            drafter.begin(self.batch)
 
     def prefill(self) -> None:
         """Feed every prompt once and draw the first new token from the target alone: on CUDA
@@ -246,8 +162,8 @@ class _Run:
             # logits are never read, and clamping keeps its gather in bounds.)
             real = (torch.arange(width, device=self.tokens.device) < self.length[:, None]).long()
             last = (self.length - 1).clamp(max=width - 1)[:, None]
-            return self.plan.target.forward(self.tokens[:, :width], torch.zeros_like(self.length), real,
-                                            logits_at=last, eager=True, **self._features)
+            return self.plan.target.prefill(self.tokens[:, :width], torch.zeros_like(self.length), real,
+                                            logits_at=last, **self._features)
 
         if graphs.enabled and self.plan.tp is None:
             widths = window_widths(capacity, 16)
@@ -309,10 +225,8 @@ class _Run:
         """How many committed positions ``arm``'s drafter must feed before this step's drafts
         beyond a steady step's (``Drafter.catch_up``, SPEC.md §4; 0 without a cache)."""
         d = self.plan.arm_drafters[arm]
-        catch_up = None if d is None else getattr(self.plan.drafters[d], "catch_up", None)
-        if catch_up is None:
-            return 0
-        return catch_up(self.history())
+        drafter = None if d is None else self.plan.drafters[d]
+        return drafter.catch_up(self.history()) if isinstance(drafter, CatchesUp) else 0
 
     # The layer count after which this step's drafter handed back the target's states
     # (ws.draft_states, SPEC.md §11 verify reuse), or None; set by _propose.
@@ -355,7 +269,7 @@ class _Run:
         return has_probs
 
     # The three places a step meets its rows' sampling: where a batch whose rows differ
-    # (flashspec.batching, SPEC.md §12) gives each row its own generator and parameters.
+    # (flashspec.decode.batch, SPEC.md §12) gives each row its own generator and parameters.
     def _draw_random(self) -> None:
         """This step's random numbers, ``ws.random [B, 2γ + 1]``: drafting, then verification."""
         self.ws.random.uniform_(generator=self.rng)
@@ -415,9 +329,9 @@ class _Run:
         if reuse is None or k == 0:
             fed = torch.cat([self.tokens.gather(1, start[:, None]), drafts], dim=1)
             return target.forward(fed, start, self.active[:, None].expand_as(fed), **self._features)
-        last = target.forward(drafts[:, -1:], start + k, layers=reuse, head=False, **self._features)
+        last = target.layer_states(drafts[:, -1:], start + k, layers=reuse, **self._features)
         states = torch.cat([ws.draft_states[:, :k], last.to(ws.draft_states.dtype)], dim=1)
-        return target.forward(None, start, embeds=states, first_layer=reuse, **self._features)
+        return target.resume(states, start, reuse, **self._features)
 
     def _score_verify_commit(self, k: int, has_probs: bool, reuse: int | None = None) -> None:
         """Score the drafts with the target (reusing a drafter's states after ``reuse`` layers,
@@ -515,7 +429,8 @@ class _Run:
 
     def forward_seconds(self) -> float:
         """Host time inside model forwards so far (target and model drafters)."""
-        return self.plan.target.forward_seconds + sum(getattr(d, "forward_seconds", 0.0) for d in self.plan.drafters)
+        return self.plan.target.forward_seconds + sum(d.forward_seconds for d in self.plan.drafters
+                                                      if isinstance(d, TimesForwards))
 
     def sequences(self) -> list[list[int]]:
         out = []
@@ -523,68 +438,6 @@ class _Run:
             start, end = int(self.ws.prompt_length[b]), int(self.length[b])
             out.append(self.tokens[b, start:end].tolist())
         return out
-
-
-def commit_tokens(
-    tokens: torch.Tensor, length: torch.Tensor, active: torch.Tensor, generated: torch.Tensor,
-    max_new_tokens: torch.Tensor, eos: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
-) -> torch.Tensor:
-    """Append each active row's ``num_accepted + 1`` tokens of ``new_tokens [B, k+1]`` to
-    ``tokens [B, capacity]`` at ``length``, cut at the first EOS and at ``max_new_tokens``; update
-    ``length``, ``generated`` and ``active`` in place; return how many tokens were committed (a
-    device scalar). Tensor code only: no value goes back to the host."""
-    columns = torch.arange(new_tokens.shape[1], device=new_tokens.device)
-    take = torch.minimum(num_accepted + 1, max_new_tokens - generated)
-    is_eos = torch.isin(new_tokens, eos) & (columns < take[:, None])
-    first_eos = torch.where(is_eos, columns, new_tokens.shape[1]).amin(dim=1)
-    take = torch.minimum(take, first_eos + 1)
-    take = torch.where(active, take, 0)
-    index = length[:, None] + columns
-    write = columns < take[:, None]
-    current = tokens.gather(1, index)
-    tokens.scatter_(1, index, torch.where(write, new_tokens, current))
-    length += take
-    generated += take
-    finished = (first_eos < take) | (generated >= max_new_tokens)
-    active &= ~finished
-    return take.sum()
-
-
-def stage_drafts(
-    staged: torch.Tensor, drafts: torch.Tensor, vocab_size: int, active: torch.Tensor, fault: torch.Tensor,
-    steps_taken: torch.Tensor,
-) -> None:
-    """Copy a drafter's ``drafts [B, k]`` into the step's buffer ``staged [B, k]``; ids outside
-    ``[0, vocab_size)`` of an active row are noted as fault 3 and staged as 0, so that no kernel
-    ever indexes with them (the call fails at the next poll). Tensor code only; the engine
-    compiles it on a GPU, as :func:`commit_step`."""
-    outside = (drafts < 0) | (drafts >= vocab_size)
-    note_fault(fault, outside.any(dim=1) & active, 3, steps_taken)
-    staged.copy_(drafts.masked_fill(outside, 0))
-
-
-def commit_step(
-    tokens: torch.Tensor, length: torch.Tensor, active: torch.Tensor, generated: torch.Tensor,
-    max_new_tokens: torch.Tensor, eos: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
-    log: torch.Tensor, steps_taken: torch.Tensor, logits: torch.Tensor, fault: torch.Tensor,
-) -> None:
-    """A step's bookkeeping after verification: its faults first (in ``fault``, for the next
-    poll to raise): target ``logits [B, k + 1, V]`` not finite in an active row (kind 1), a
-    draw that found no mass (kind 2: ``-1`` at the recovered or bonus token's column of
-    ``new_tokens``, committed as 0 so that steps queued before the poll never index with it);
-    then :func:`commit_tokens` for the active rows, the step's log entry (drafts accepted, rows
-    active, tokens committed) at ``log[steps_taken]`` (the last row once the log is full), and
-    ``steps_taken += 1``."""
-    note_fault(fault, ~torch.isfinite(logits).flatten(1).all(dim=1) & active, 1, steps_taken)
-    drawn = new_tokens.gather(1, num_accepted[:, None])[:, 0]  # the recovered or bonus token
-    note_fault(fault, (drawn < 0) & active, 2, steps_taken)
-    new_tokens = new_tokens.clamp(min=0)
-    accepted = torch.where(active, num_accepted, 0)
-    active_rows = active.sum()
-    committed = commit_tokens(tokens, length, active, generated, max_new_tokens, eos, new_tokens, accepted)
-    entry = torch.stack([accepted.sum(), active_rows, committed])
-    log.index_copy_(0, steps_taken.clamp(max=log.shape[0] - 1)[None], entry[None])
-    steps_taken += 1
 
 
 class _StepClock:

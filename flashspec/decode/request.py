@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .models import check_no_sliding_window, context_window
-from .sampling import SamplingParams
+from ..checks import check_flag, check_int
+from ..models.loading import check_no_sliding_window, context_window
+from ..sampling import SamplingParams
 
 __all__ = ["MAX_DRAFT_TOKENS", "MAX_TOKENS_WITHOUT_WINDOW", "EngineOptions", "Request", "parse_engine_options",
            "parse_request"]
@@ -76,14 +77,13 @@ def parse_engine_options(
     dtype: Any, compile: Any,
 ) -> EngineOptions:
     """Check the constructor's arguments (before any model loads) and return them normalised."""
-    for name, value in (("share_selector", share_selector), ("compile", compile)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False; got {value!r}.")
+    check_flag("share_selector", share_selector)
+    check_flag("compile", compile)
     device = parse_device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):
-        from .models import DTYPES
+        from ..models.loading import DTYPES
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be a torch dtype or one of {', '.join(DTYPES)}; got {dtype!r}.")
@@ -188,8 +188,7 @@ def parse_request(
 
 
 def _integer(value: Any, name: str, *, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}.")
+    check_int(name, value, minimum)
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be at most {maximum}; got {value!r}.")
     return int(value)

@@ -1,12 +1,28 @@
-"""Drafters: objects that propose tokens for the target to verify (SPEC.md §4)."""
+"""Drafters: objects that propose tokens for the target to verify (SPEC.md §4, §11).
 
-from .base import Draft, Drafter, History
+The contract is :class:`Drafter` (``name``, ``begin``, ``propose``); optional capabilities are the
+protocols :class:`CatchesUp`, :class:`JoinsRows`, :class:`CapturesJoins`, :class:`ReadsFeatures`
+and :class:`TimesForwards`. :func:`~flashspec.drafters.specs.make_drafter` turns the names the
+engine, the command line and the server take into drafters.
+"""
+
+from .base import (
+           CapturesJoins,
+           CatchesUp,
+           Draft,
+           Drafter,
+           History,
+           JoinsRows,
+           ReadsFeatures,
+           TimesForwards,
+)
 from .datastore import DatastoreDrafter
 from .early_exit import EarlyExitDrafter
 from .feature import FeatureDrafter, FeatureHead
-from .shallow import ShallowDrafter, ShallowHead
 from .model import ModelDrafter
 from .ngram import NgramDrafter
+from .shallow import ShallowDrafter, ShallowHead
 
-__all__ = ["DatastoreDrafter", "Draft", "Drafter", "EarlyExitDrafter", "FeatureDrafter", "FeatureHead", "History", "ModelDrafter", "NgramDrafter",
-           "ShallowDrafter", "ShallowHead"]
+__all__ = ["CapturesJoins", "CatchesUp", "DatastoreDrafter", "Draft", "Drafter", "EarlyExitDrafter", "FeatureDrafter",
+           "FeatureHead", "History", "JoinsRows", "ModelDrafter", "NgramDrafter", "ReadsFeatures", "ShallowDrafter",
+           "ShallowHead", "TimesForwards"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -70,7 +71,7 @@ class History:
     max_length: int | None = None  # an upper bound on length.max() (None: tokens.shape[1])
     # {n: [B, capacity, hidden]}: the target's features after its first n layers (all of them:
     # before its final norm) at every committed position but the pending one; only for drafters
-    # with ``uses_hidden_states`` (n is their ``feature_layer``).
+    # that read them (ReadsFeatures: n is their ``feature_layer``).
     hidden: dict[int, torch.Tensor] | None = None
     # The engine's per-step growth bounds (None: measure growth by max_length alone).
     growth: Growth | None = None
@@ -118,16 +119,9 @@ class Drafter(Protocol):
     what was accepted is in the :class:`History` of the next ``propose`` (the committed tokens),
     and a drafter with a cache catches up from it — also after steps another drafter drafted.
 
-    Optional: ``catch_up(history) -> int``, for a drafter with a cache: how many committed
-    positions its next proposal must feed beyond a steady step's (its first proposal of a
-    request feeds the prompt; after a gap, what it missed), 0 when caught up, from host
-    arithmetic only — the never-slower guard prices the proposal with it (SPEC.md §8);
-    ``prefill_row(history, row, width=None)``, to feed a row that joins a running batch (§12);
-    ``forward_seconds``, the host
-    time spent in its model forwards so far (the statistics' engine-overhead figure);
-    ``uses_hidden_states = True`` with ``feature_layer = n``, to be handed the target's features
-    after its first ``n`` layers in ``History.hidden[n]`` (written by the target's own forwards, no
-    host synchronisation; SPEC.md §11)."""
+    Optional capabilities are the protocols below, each checked with ``isinstance``:
+    :class:`CatchesUp`, :class:`JoinsRows`, :class:`CapturesJoins`, :class:`ReadsFeatures` and
+    :class:`TimesForwards`."""
 
     name: str
 
@@ -140,6 +134,93 @@ class Drafter(Protocol):
         """Exactly ``num_tokens`` drafts per row (``Draft.tokens`` is ``[B, num_tokens]``).
 
         ``uniforms [B, num_tokens]`` float64 are the random numbers for sampled drafts."""
+
+
+@runtime_checkable
+class CatchesUp(Protocol):
+    """A drafter with a cache of its own: how many committed positions its next proposal must
+    feed beyond a steady step's (its first proposal of a request feeds the prompt; after a gap,
+    what it missed), 0 when caught up, from host arithmetic only — the never-slower guard prices
+    the proposal with it (SPEC.md §4, §8)."""
+
+    def catch_up(self, history: History) -> int: ...
+
+
+@runtime_checkable
+class JoinsRows(Protocol):
+    """A drafter with a cache of its own that a running batch can serve (SPEC.md §12): it feeds
+    the row of a joining request alone (``prefill_row``; ``width``: the target's padded prefill
+    width). ``joins_rows`` says whether this instance can (e.g. not over transformers' cache)."""
+
+    joins_rows: bool
+
+    def prefill_row(self, history: History, row: int, width: int | None = None) -> None: ...
+
+
+@runtime_checkable
+class CapturesJoins(Protocol):
+    """A drafter whose joins replay CUDA graphs captured at the batch's warm-up, one per row and
+    prefill width (SPEC.md §12, "Joins are graphs too")."""
+
+    def capture_joins(self, history: History, widths: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
+class ReadsFeatures(Protocol):
+    """A drafter handed the target's features after its first ``feature_layer`` layers in
+    ``History.hidden[feature_layer]``, written by the target's own forwards with no host
+    synchronisation (SPEC.md §11)."""
+
+    feature_layer: int
+
+
+@runtime_checkable
+class TimesForwards(Protocol):
+    """A drafter that counts the host time spent in its model forwards (the statistics'
+    engine-overhead figure)."""
+
+    forward_seconds: float
+
+
+class Seen:
+    """What a drafter with a cache has fed of the committed rows (SPEC.md §4, "Catch-up
+    windows"): the :meth:`History.mark` reading of its last proposal (None: none yet in this
+    request) and how many positions before that reading it left unfed."""
+
+    def __init__(self) -> None:
+        self.mark: int | None = None
+        self.behind = 0
+
+    @property
+    def first(self) -> bool:
+        """Whether the next proposal is the drafter's first of the request (it feeds the prompt)."""
+        return self.mark is None
+
+    def forget(self) -> None:
+        """A new request: nothing is seen."""
+        self.mark, self.behind = None, 0
+
+    def grown(self, history: History) -> int:
+        """An upper bound on the positions any row gained since the reading."""
+        return history.grown_since(self.mark)
+
+    def fed(self, history: History, after_step: int | None = None) -> None:
+        """A proposal feeds every unseen position (``after_step=k``: read once the step about to
+        be launched, drafting ``k`` tokens, has run)."""
+        self.mark, self.behind = history.mark(after_step), 0
+
+    def joined(self, history: History, behind: int = 0) -> None:
+        """A row joined a running batch and was fed alone: with no proposal yet, every row in the
+        batch was fed at its join (``behind``: positions each left unfed, e.g. its pending token).
+        Otherwise the other rows' unseen positions are as they were."""
+        if self.mark is None:
+            self.mark, self.behind = history.mark(), behind
+
+    def catch_up(self, window: int, steady: int) -> int:
+        """:meth:`CatchesUp.catch_up` of a proposal feeding ``window`` positions, where windows up
+        to ``steady`` are a steady step's: the whole window at the first proposal, else what
+        passes ``steady``."""
+        return window if self.first or window > steady else 0
 
 
 def continuation(
@@ -158,6 +239,29 @@ def continuation(
     taken = source.gather(1, index) if source.dim() == 2 else source[index]
     return torch.where(usable, taken, pending)
 
+
+
+def autoregress(
+    logits: torch.Tensor, step: Callable[[torch.Tensor, int], torch.Tensor], num_tokens: int, params: SamplingParams,
+    uniforms: torch.Tensor,
+    draw_token: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The autoregressive draft loop: draw a token per row from ``logits [B, V]`` with
+    ``uniforms[:, i]``, feed it (``step(token, i)`` returns the next logits) and draw again,
+    ``num_tokens`` times. Returns the drafts ``[B, num_tokens]`` and their laws
+    ``[B, num_tokens, V]`` (None when greedy). ``draw_token``: in place of :func:`draw`, with its
+    signature. Tensor code only, so a whole proposal can be captured as a CUDA graph."""
+    draw_token = draw_token or draw
+    drafted, laws = [], []
+    for i in range(num_tokens):
+        token, q = draw_token(logits, params, uniforms[:, i])
+        if q is not None:
+            laws.append(q)
+        drafted.append(token)
+        if i + 1 < num_tokens:
+            logits = step(token, i)
+    probs = torch.stack(laws, dim=1) if laws else None
+    return torch.stack(drafted, dim=1), probs
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

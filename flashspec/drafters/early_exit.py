@@ -1,7 +1,7 @@
 """A drafter made from the target itself: its first ``N`` layers, its final norm and its head.
 
 No weights of its own and no cache of its own (SPEC.md §11): it runs the target's
-:class:`~flashspec.cache.StaticLM` with ``layers=N``, reading the target's KV cache for layers
+:class:`~flashspec.models.static.StaticLM` with ``layers=N``, reading the target's KV cache for layers
 ``< N`` and writing the entries of the tokens it feeds there. The target's verify forward feeds
 the same positions again and overwrites those entries before any query reads them, so what the
 drafter wrote never reaches the target's logits: the output law is the target's.
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import StaticLM
-from ..graphs import Graphs
+from ..checks import check_int
+from ..models.graphs import Graphs
+from ..models.static import StaticLM
 from ..sampling import SamplingParams
-from .base import Draft, History, draw
+from .base import Draft, History, autoregress
 
 __all__ = ["EarlyExitDrafter", "parse_early_exit"]
 
@@ -40,13 +41,11 @@ class EarlyExitDrafter:
             raise ValueError("An early-exit drafter needs a target that runs over FlashSpec's static cache "
                              f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
         total = len(target.base.layers)
-        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= total:
-            raise ValueError(f"layers must be an integer from 1 to the target's {total}; got {layers!r}.")
+        check_int("layers", layers, 1, total, upto=f"the target's {total}")
         self.target, self.layers = target, layers
         self.name = f"{PREFIX}{layers}"
         device = next(target.model.parameters()).device
         self._graphs = Graphs(enabled=device.type == "cuda")
-        self._graph_inputs: tuple[int, ...] = ()
 
     def begin(self, batch_size: int) -> None:
         pass  # nothing of its own: the target's cache holds every committed token but the pending one
@@ -56,10 +55,7 @@ class EarlyExitDrafter:
     ) -> Draft:
         active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
         # Graphs read fixed buffers: the history's, the uniforms' and the target's cache.
-        inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, active, uniforms, self.target.keys[0]))
-        if inputs != self._graph_inputs:
-            self._graphs.clear()
-            self._graph_inputs = inputs
+        self._graphs.reading(history.tokens, history.length, active, uniforms, self.target.keys[0])
         tokens, probs = self._graphs.run(
             (num_tokens, params), lambda: self._draft(history.tokens, history.length, uniforms, num_tokens, params))
         return Draft(tokens, probs)
@@ -69,14 +65,7 @@ class EarlyExitDrafter:
         params: SamplingParams,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pure tensor code: feed the pending token, then each draft, through the first layers."""
-        token = history.gather(1, (length - 1)[:, None])  # [B, 1] the pending token
-        drafted, laws = [], []
-        for i in range(num_tokens):
-            logits = self.target.forward(token, length - 1 + i, layers=self.layers)[:, 0]
-            next_token, q = draw(logits, params, uniforms[:, i])
-            if q is not None:
-                laws.append(q)
-            drafted.append(next_token)
-            token = next_token[:, None]
-        probs = torch.stack(laws, dim=1) if laws else None
-        return torch.stack(drafted, dim=1), probs
+        pending = history.gather(1, (length - 1)[:, None])  # [B, 1]
+        logits = self.target.early_exit(pending, length - 1, self.layers)[:, 0]
+        return autoregress(logits, lambda token, i: self.target.early_exit(token[:, None], length + i, self.layers)[:, 0],
+                           num_tokens, params, uniforms)

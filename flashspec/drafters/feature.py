@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache import StaticLM
-from ..graphs import Graphs, window_widths
+from ..checks import check_int
+from ..models.graphs import Graphs, window_widths
+from ..models.static import StaticLM
 from ..sampling import SamplingParams
-from .base import Draft, History, draw
+from .base import Draft, History, Seen, autoregress, draw
 
 __all__ = ["FeatureDrafter", "FeatureHead", "SubsetHead", "decoder_layer", "draw_in_subset", "window_widths"]
 
@@ -49,10 +50,10 @@ class FeatureHead(nn.Module):
         if hasattr(self.config, "layer_types") and self.config.layer_types is not None:
             self.config.layer_types = self.config.layer_types[:layers]
         if width is not None:
-            _check_int("width", width)
+            check_int("width", width, 1)
             self.config.intermediate_size = width
         if heads is not None:
-            _check_int("heads", heads)
+            check_int("heads", heads, 1)
             kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
             if heads % kv and kv % heads:
                 raise ValueError(f"heads must divide or be a multiple of the target's {kv} key-value heads; got {heads}.")
@@ -142,11 +143,6 @@ def draw_in_subset(logits: torch.Tensor, vocab: torch.Tensor, vocab_size: int, p
     return token, q
 
 
-def _check_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
-
-
 def decoder_layer(config: Any, index: int) -> nn.Module:
     """A decoder layer of ``config``'s architecture (the class transformers' model uses)."""
     from transformers import AutoModelForCausalLM
@@ -171,8 +167,7 @@ class FeatureDrafter:
             between them stay eager.
     """
 
-    uses_hidden_states = True  # the engine fills History.hidden
-    _fed_behind = 0  # (set by prefill_row and propose; a class default for bare instances)
+    joins_rows = True  # a running batch may hand it a joining row (prefill_row)
     MIN_WINDOW = 4  # the narrowest re-fed width (a handful of widths means a handful of graphs)
     # The widths _window returns that run compiled (powers of two from MIN_WINDOW, up to
     # StaticLM.COMPILED_WIDTHS), all compiled at the first compiled proposal of a shape.
@@ -199,17 +194,15 @@ class FeatureDrafter:
         self._subset = subset if isinstance(subset, SubsetHead) else None
         device = next(target.model.parameters()).device
         self._graphs = Graphs(enabled=device.type == "cuda")
-        self._graph_inputs: tuple[int, ...] = ()
         self._features: torch.Tensor | None = None  # [B, capacity, hidden]: the drafter's own outputs
-        self._fed_through: int | None = None  # History.mark() when the last proposal began (None: none yet)
-        self._fed_behind = 0  # positions before that mark left unfed (1 after a join: the pending token)
+        self._seen = Seen()  # read when the last proposal began (1 behind after a join: the pending token)
 
     @property
     def forward_seconds(self) -> float:
         return self.lm.forward_seconds
 
     def begin(self, batch_size: int) -> None:
-        self._fed_through = None
+        self._seen.forget()
 
     @property
     def _own(self) -> dict[int, torch.Tensor]:
@@ -230,7 +223,7 @@ class FeatureDrafter:
         The pairs of positions ``0 … length − 2`` (``… width − 2`` with the target's padded
         prefill ``width``, §12 "Prefill widths": entries past the prompt are rewritten before they
         are read) over a view of that row of the drafter's cache and of its predicted features
-        (:meth:`StaticLM.only_row <flashspec.cache.StaticLM.only_row>`); the other rows' are
+        (:meth:`StaticLM.only_row <flashspec.models.static.StaticLM.only_row>`); the other rows' are
         neither read nor written.
         The catch-up window of the other rows is left as it was: their unseen positions have
         not changed (the batch's length bound does not grow when a row joins)."""
@@ -243,8 +236,7 @@ class FeatureDrafter:
             with self.lm.only_row(row):
                 self._feed(history.tokens[one], history.hidden[self.feature_layer][one], self._features[one],
                            zeros, width, zeros[:, None])
-        if self._fed_through is None:  # no proposal yet: every row in the batch was fed at its join
-            self._fed_through, self._fed_behind = history.mark(), 1  # (its pending token unfed)
+        self._seen.joined(history, behind=1)  # (its pending token unfed)
 
     def _check(self, history: History) -> None:
         if history.hidden is None or self.feature_layer not in history.hidden:
@@ -255,8 +247,7 @@ class FeatureDrafter:
         """The positions the next proposal feeds beyond a steady step's (SPEC.md §4): the whole
         prefix the first time in a request, a window wider than the compiled widths after a gap,
         else 0 (host arithmetic only)."""
-        window = self._window(history)
-        return window if self._fed_through is None or window > StaticLM.COMPILED_WIDTHS else 0
+        return self._seen.catch_up(self._window(history), StaticLM.COMPILED_WIDTHS)
 
     def _window(self, history: History) -> int:
         """How many trailing committed positions to feed: every one whose true feature this
@@ -264,8 +255,7 @@ class FeatureDrafter:
         at least MIN_WINDOW, rounded up to a power of two, at most the capacity: always one of
         :func:`window_widths`."""
         bound = history.length_bound()
-        unseen = bound if self._fed_through is None else max(1, history.grown_since(self._fed_through) + 1
-                                                             + self._fed_behind)
+        unseen = bound if self._seen.first else max(1, self._seen.grown(history) + 1 + self._seen.behind)
         return min(history.tokens.shape[1], max(self.MIN_WINDOW, 1 << (unseen - 1).bit_length()))
 
     def widths(self, capacity: int) -> list[int]:
@@ -276,17 +266,13 @@ class FeatureDrafter:
     @torch.inference_mode()  # also when called outside generate: a compiled proposal must not trace autograd
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
         self._check(history)
-        first = self._fed_through is None
-        if first:
+        if self._seen.first:
             self._start(history)
         active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
-        inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, history.hidden[self.feature_layer],
-                                              active, uniforms, self._features))
-        if inputs != self._graph_inputs:
-            self._graphs.clear()
-            self._graph_inputs = inputs
+        self._graphs.reading(history.tokens, history.length, history.hidden[self.feature_layer], active, uniforms,
+                             self._features)
         window = self._window(history)
-        self._fed_through, self._fed_behind = history.mark(), 0
+        self._seen.fed(history)
         tokens, probs = self._graphs.run_widths(self.widths(history.tokens.shape[1]), window, (num_tokens, params),
                                                 lambda w: self._draft(history, w, num_tokens, params, uniforms))
         return Draft(tokens, probs)
@@ -299,7 +285,7 @@ class FeatureDrafter:
         x = self.head.inputs(features, self.lm.base.embed_tokens(tokens))
         if torch.compiler.is_compiling():  # inside a compiled feed or step: the forward's own code, inlined
             return self.lm._forward(*self.lm._inputs(None, start, x), logits_at, None, hidden_out)
-        return self.lm.forward(None, start, embeds=x, logits_at=logits_at, hidden_out=hidden_out)
+        return self.lm.forward_embeds(x, start, logits_at=logits_at, hidden_out=hidden_out)
 
     def _feed(self, tokens: torch.Tensor, hidden: torch.Tensor, own: torch.Tensor, start: torch.Tensor, width: int,
               logits_at: torch.Tensor | None) -> torch.Tensor:
@@ -342,17 +328,7 @@ class FeatureDrafter:
                     self._feed_step(tokens, hidden, self._features, begin, width, (length - 1 - begin)[:, None])
         start = (length - window).clamp(min=0)
         logits = feed(tokens, hidden, self._features, start, window, (length - 1 - start)[:, None])[:, 0]
-        drafted, laws = [], []
         subset = self._subset
-        for i in range(num_tokens):
-            if subset is None:
-                token, q = draw(logits, params, uniforms[:, i])
-            else:
-                token, q = draw_in_subset(logits, subset.vocab, subset.vocab_size, params, uniforms[:, i])
-            if q is not None:
-                laws.append(q)
-            drafted.append(token)
-            if i + 1 < num_tokens:
-                logits = step(token, length + i)
-        probs = torch.stack(laws, dim=1) if laws else None
-        return torch.stack(drafted, dim=1), probs
+        draw_token = None if subset is None else (
+            lambda logits, params, u: draw_in_subset(logits, subset.vocab, subset.vocab_size, params, u))
+        return autoregress(logits, lambda token, i: step(token, length + i), num_tokens, params, uniforms, draw_token)

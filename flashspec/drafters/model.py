@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from ..cache import StaticLM, make_lm
-from ..graphs import Graphs, window_widths
+from ..models.cached import make_lm
+from ..models.graphs import Graphs, window_widths
+from ..models.static import StaticLM
 from ..sampling import SamplingParams
-from .base import Draft, History, draw
+from .base import Draft, History, Seen, autoregress
 
 
 class ModelDrafter:
@@ -19,7 +20,7 @@ class ModelDrafter:
     proposal of a request, 2 when this drafter also drafted the previous step, otherwise at least
     :attr:`SWITCH_WINDOW` and a power of two; :meth:`catch_up` says which), then drafts one token
     per forward.
-    With a :class:`~flashspec.cache.StaticLM` on CUDA the whole proposal is one CUDA graph.
+    With a :class:`~flashspec.models.static.StaticLM` on CUDA the whole proposal is one CUDA graph.
     """
 
     SWITCH_WINDOW = 16  # the re-fed width after another drafter's steps (a compiled width of StaticLM)
@@ -41,16 +42,21 @@ class ModelDrafter:
         static_on_gpu = isinstance(self._lm, StaticLM) and self.model.device.type == "cuda"
         self._graphs = Graphs(enabled=static_on_gpu)
         self._zero = torch.zeros(1, dtype=torch.long, device=self.model.device)  # a join's start (graphs read it)
-        self._seen_through: int | None = None  # History.mark() once the last proposal's step ends
-        self._graph_inputs: tuple[int, ...] = ()
+        self._seen = Seen()  # read once the last proposal's step ends (after_step)
 
     @property
     def forward_seconds(self) -> float:
         """Host time spent in this drafter's model forwards so far."""
         return self._lm.forward_seconds
 
+    @property
+    def joins_rows(self) -> bool:
+        """Whether a running batch can hand this drafter a joining row: over FlashSpec's static
+        cache only (SPEC.md §12)."""
+        return isinstance(self._lm, StaticLM)
+
     def begin(self, batch_size: int) -> None:
-        self._seen_through = None
+        self._seen.forget()
 
     def prefill_row(self, history: History, row: int, width: int | None = None) -> None:
         """Feed row ``row``'s committed tokens alone: a request that joined a running batch
@@ -68,10 +74,9 @@ class ModelDrafter:
         width = next((w for w in self._join_widths if w >= need), need)
         key = ("join", row, width)  # replayed when capture_joins captured it (SPEC.md §12, "Joins are graphs too")
         self._graphs.run(key if key in self._graphs else None, lambda: self._feed_row(history, row, width))
-        if self._seen_through is None:  # no proposal yet: every row in the batch was fed at its join
-            self._seen_through = history.mark()
-        # Otherwise leave it: the other rows' tokens gained since this drafter's last proposal
-        # (steps another arm drafted) are still unseen, and the next window must re-feed them.
+        # With a proposal before, the other rows' tokens gained since it (steps another arm
+        # drafted) are still unseen, and the next window must re-feed them.
+        self._seen.joined(history)
 
     def capture_joins(self, history: History, widths: list[int] | tuple[int, ...]) -> None:
         """Capture :meth:`prefill_row` of every row at each of ``widths`` as CUDA graphs, so that
@@ -90,7 +95,7 @@ class ModelDrafter:
         """Feed ``tokens[row, :width]`` from position 0 through a view of that row of the cache
         (graph-safe: buffers only; no logits, a join only fills the cache)."""
         with self._lm.only_row(row):
-            self._lm.forward(history.tokens[row : row + 1, :width], self._zero, None, head=False, eager=True)
+            self._lm.layer_states(history.tokens[row : row + 1, :width], self._zero, eager=True)
 
     def _start(self, history: History) -> None:
         """A new request: size the cache (dropping graphs that captured replaced buffers)."""
@@ -102,14 +107,13 @@ class ModelDrafter:
         """The positions the next proposal feeds beyond a steady step's (SPEC.md §4): the whole
         prefix the first time in a request, the re-fed window after a gap wider than
         :attr:`SWITCH_WINDOW`, else 0 (host arithmetic only)."""
-        window = self._window(history)
-        return window if self._seen_through is None or window > self.SWITCH_WINDOW else 0
+        return self._seen.catch_up(self._window(history), self.SWITCH_WINDOW)
 
     def _window(self, history: History) -> int:
         """How many trailing committed tokens to re-feed so the cache misses none: with CUDA
         graphs always one of :meth:`widths` (SPEC.md §4)."""
         bound = history.length_bound()
-        if self._seen_through is None:  # the first proposal of a request: the whole prompt
+        if self._seen.first:  # the first proposal of a request: the whole prompt
             unseen = max(bound, self.SWITCH_WINDOW)
         else:
             # After drafting in a step, at most 2 committed tokens are unseen (the last draft,
@@ -118,7 +122,7 @@ class ModelDrafter:
             # SWITCH_WINDOW: re-feeding a few seen tokens rewrites their cache entries and costs
             # little in a latency-bound forward, while every distinct width is one more
             # compilation and CUDA graph.
-            unseen = max(2, 2 + history.grown_since(self._seen_through))
+            unseen = max(2, 2 + self._seen.grown(history))
             if unseen > 2:
                 unseen = max(unseen, self.SWITCH_WINDOW)
         width = min(history.tokens.shape[1], 1 << (unseen - 1).bit_length())  # the bound grows past the end
@@ -138,16 +142,13 @@ class ModelDrafter:
         device = self.model.device
         if history.tokens.device != device:
             raise ValueError("A model drafter must live on the same device as the target.")
-        first = self._seen_through is None  # the first proposal of a request feeds the prompt
+        first = self._seen.first  # the first proposal of a request feeds the prompt
         if first:
             self._start(history)
         active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
-        inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, active, uniforms))
-        if inputs != self._graph_inputs:  # graphs read fixed buffers: drop stale ones
-            self._graphs.clear()
-            self._graph_inputs = inputs
+        self._graphs.reading(history.tokens, history.length, active, uniforms)  # graphs read fixed buffers
         window = self._window(history)
-        self._seen_through = history.mark(after_step=num_tokens)
+        self._seen.fed(history, after_step=num_tokens)
         # Every window replays a graph, the prompt's feed included; without graphs (the CPU) the
         # first proposal's feed runs eagerly, so that no prompt length compiles (SPEC.md §3, §4).
         eager = first and not self._graphs.enabled
@@ -177,13 +178,5 @@ class ModelDrafter:
         fed = history.gather(1, index.clamp(max=capacity - 1))
         logits = self._lm.forward(fed, start, real, logits_at=(length - 1 - start)[:, None], eager=eager)[:, 0]
         live = active[:, None]  # finished rows draft as holes (their positions may pass the window)
-        drafted, laws = [], []
-        for i in range(num_tokens):
-            token, q = draw(logits, params, uniforms[:, i])
-            if q is not None:
-                laws.append(q)
-            drafted.append(token)
-            if i + 1 < num_tokens:
-                logits = self._lm.forward(token[:, None], length + i, live)[:, 0]
-        probs = torch.stack(laws, dim=1) if laws else None
-        return torch.stack(drafted, dim=1), probs
+        return autoregress(logits, lambda token, i: self._lm.forward(token[:, None], length + i, live)[:, 0],
+                           num_tokens, params, uniforms)

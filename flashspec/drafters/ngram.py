@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graphs import Graphs
+from ..models.graphs import Graphs
 from ..sampling import SamplingParams
 from .base import Draft, History, continuation
 
@@ -29,7 +29,6 @@ class NgramDrafter:
             )
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._graphs: Graphs | None = None  # made at the first proposal on a GPU
-        self._graph_inputs: tuple = ()  # the history buffers the captured graphs read
 
     def begin(self, batch_size: int) -> None:
         pass  # no state of its own: the graphs depend on the history's buffers only
@@ -42,10 +41,7 @@ class NgramDrafter:
             return Draft(self._draft(tokens, length, num_tokens), None)
         if self._graphs is None:
             self._graphs = Graphs(enabled=True)
-        inputs = (tokens.data_ptr(), length.data_ptr(), tuple(tokens.shape), tokens.device)
-        if inputs != self._graph_inputs:  # other buffers: graphs of the old ones would read freed memory
-            self._graphs.clear()
-            self._graph_inputs = inputs
+        self._graphs.reading(tokens, length, tuple(tokens.shape), tokens.device)
         return Draft(self._graphs.run(num_tokens, lambda: self._draft(tokens, length, num_tokens)), None)
 
     def _draft(self, tokens: torch.Tensor, length: torch.Tensor, num_tokens: int) -> torch.Tensor:

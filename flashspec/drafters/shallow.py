@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache import StaticLM
-from ..graphs import Graphs
+from ..checks import check_flag, check_int, is_int
+from ..models.graphs import Graphs
+from ..models.static import StaticLM
 from ..sampling import SamplingParams
-from .base import Draft, History, draw
+from .base import Draft, History, Seen, autoregress
 from .feature import FeatureDrafter, decoder_layer
 
 __all__ = ["ShallowHead", "ShallowDrafter"]
@@ -47,14 +48,11 @@ class ShallowHead(nn.Module):
     def __init__(self, config: Any, shared_layers: int, adapters: int = 2, head_width: int | None = None) -> None:
         super().__init__()
         total = config.num_hidden_layers
-        if isinstance(shared_layers, bool) or not isinstance(shared_layers, int) or not 1 <= shared_layers < total:
-            raise ValueError(f"shared_layers must be an integer from 1 to {total - 1} (the target has {total}); "
-                             f"got {shared_layers!r}.")
-        if isinstance(adapters, bool) or not isinstance(adapters, int) or adapters < 1:
-            raise ValueError(f"adapters must be an integer >= 1; got {adapters!r}.")
+        check_int("shared_layers", shared_layers, 1, total - 1, upto=f"{total - 1} (the target has {total})")
+        check_int("adapters", adapters, 1)
         hidden = config.hidden_size
         width = head_width or hidden
-        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        if not is_int(width) or width < 1:
             raise ValueError(f"head_width must be an integer >= 1; got {head_width!r}.")
         self.shared_layers = shared_layers
         self.config = copy.deepcopy(config)
@@ -96,8 +94,8 @@ class ShallowDrafter:
     reuse); its forwards then also write the features ``History.hidden[n]``, ``n < N``, that the
     verify no longer writes at those positions."""
 
-    uses_hidden_states = True
     MIN_WINDOW = 4
+    joins_rows = True  # a running batch may hand it a joining row (prefill_row)
 
     def __init__(self, target: StaticLM, head: ShallowHead, name: str | None = None, reuse: bool = False) -> None:
         if not isinstance(target, StaticLM):
@@ -105,31 +103,28 @@ class ShallowDrafter:
                              f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
         if head.shared_layers >= len(target.base.layers) or head.config.hidden_size != target.model.config.hidden_size:
             raise ValueError("This shallow drafter was made for another target shape.")
-        if not isinstance(reuse, bool):
-            raise ValueError(f"reuse must be True or False; got {reuse!r}.")
+        check_flag("reuse", reuse)
         self.target, self.head, self.reuse = target, head, reuse
         self.feature_layer = head.shared_layers
         self.name = name or f"shallow:{head.shared_layers}"
         self.lm = StaticLM(head.draft_model(target.model))
         device = next(target.model.parameters()).device
         self._graphs = Graphs(enabled=device.type == "cuda")
-        self._graph_inputs: tuple[int, ...] = ()
-        self._fed_through: int | None = None  # as FeatureDrafter's
-        self._fed_behind = 0
+        self._seen = Seen()  # as FeatureDrafter's
 
     @property
     def forward_seconds(self) -> float:
         return self.lm.forward_seconds  # (the shared layers' time is counted in the target's)
 
     def begin(self, batch_size: int) -> None:
-        self._fed_through = None
+        self._seen.forget()
 
     def prefill_row(self, history: History, row: int, width: int | None = None) -> None:
         """Feed row ``row``'s prompt features alone: a request that joined a running batch
         (SPEC.md §12). The adapters see the target's features after ``N`` layers at positions
         ``0 … length − 2`` (``… width − 2`` with the target's padded prefill ``width``, §12
         "Prefill widths") over a view of that row of their cache
-        (:meth:`StaticLM.only_row <flashspec.cache.StaticLM.only_row>`), and no other row is read
+        (:meth:`StaticLM.only_row <flashspec.models.static.StaticLM.only_row>`), and no other row is read
         or written. (The shared layers' entries for the row are the target's own, written by its
         prefill.)"""
         self._check(history)
@@ -141,9 +136,8 @@ class ShallowDrafter:
             zeros = torch.zeros(1, dtype=torch.long, device=history.length.device)
             with self.lm.only_row(row):
                 features = history.hidden[self.feature_layer][row : row + 1, :width]
-                self.lm.forward(None, zeros, embeds=features, logits_at=zeros[:, None])
-        if self._fed_through is None:  # no proposal yet: every row in the batch was fed at its join
-            self._fed_through, self._fed_behind = history.mark(), 1  # (its pending token unfed)
+                self.lm.forward_embeds(features, zeros, logits_at=zeros[:, None])
+        self._seen.joined(history, behind=1)  # (its pending token unfed)
 
     def _check(self, history: History) -> None:
         if history.hidden is None or self.feature_layer not in history.hidden:
@@ -156,21 +150,16 @@ class ShallowDrafter:
 
     def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
         self._check(history)
-        first = self._fed_through is None
-        if first:
+        if self._seen.first:
             batch, capacity = history.tokens.shape
             if self.lm.reset(batch, capacity):
                 self._graphs.clear()
         active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
         below = {n: h for n, h in history.hidden.items() if n < self.feature_layer} if self.reuse else {}
-        inputs = tuple(t.data_ptr() for t in (history.tokens, history.length, history.hidden[self.feature_layer],
-                                              active, uniforms, self.target.keys[0], self.lm.keys[0],
-                                              *below.values()))
-        if inputs != self._graph_inputs:
-            self._graphs.clear()
-            self._graph_inputs = inputs
+        self._graphs.reading(history.tokens, history.length, history.hidden[self.feature_layer], active, uniforms,
+                             self.target.keys[0], self.lm.keys[0], *below.values())
         window = self._window(history)
-        self._fed_through, self._fed_behind = history.mark(), 0
+        self._seen.fed(history)
         tokens, probs, states = self._graphs.run_widths(
             self.widths(history.tokens.shape[1]), window, (num_tokens, params),
             lambda w: self._draft(history, w, num_tokens, params, uniforms, below or None))
@@ -189,21 +178,16 @@ class ShallowDrafter:
         index = (start[:, None] + torch.arange(window, device=length.device)).clamp(max=capacity - 1)
         known = features.gather(1, index[..., None].expand(-1, -1, hidden))
         pending = tokens.gather(1, (length - 1)[:, None])
-        shared = {"layers": self.feature_layer, "head": False, "hidden_out": below}
-        shallow = self.target.forward(pending, length - 1, **shared)  # [B, 1, H]
+        shared = {"layers": self.feature_layer, "hidden_out": below}
+        shallow = self.target.layer_states(pending, length - 1, **shared)  # [B, 1, H]
         fed = [shallow]
         x = torch.where((index == (length - 1)[:, None])[..., None], shallow.to(known.dtype), known)
-        logits = self.lm.forward(None, start, embeds=x, logits_at=(length - 1 - start)[:, None])[:, 0]
-        drafted, laws = [], []
-        for i in range(num_tokens):
-            token, q = draw(logits, params, uniforms[:, i])
-            if q is not None:
-                laws.append(q)
-            drafted.append(token)
-            if i + 1 < num_tokens:
-                shallow = self.target.forward(token[:, None], length + i, **shared)
-                fed.append(shallow)
-                logits = self.lm.forward(None, length + i, embeds=shallow)[:, 0]
-        probs = torch.stack(laws, dim=1) if laws else None
+        logits = self.lm.forward_embeds(x, start, logits_at=(length - 1 - start)[:, None])[:, 0]
+
+        def step(token: torch.Tensor, i: int) -> torch.Tensor:
+            fed.append(self.target.layer_states(token[:, None], length + i, **shared))
+            return self.lm.forward_embeds(fed[-1], length + i)[:, 0]
+
+        drafted, probs = autoregress(logits, step, num_tokens, params, uniforms)
         states = torch.cat(fed, dim=1) if self.reuse else None  # the pending token's, then d_1 … d_{k-1}'s
-        return torch.stack(drafted, dim=1), probs, states
+        return drafted, probs, states

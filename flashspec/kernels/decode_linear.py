@@ -1,7 +1,7 @@
 """The linear maps of a decode forward, with the element-wise work around them fused in: one
 Triton kernel per matrix.
 
-A decode (or verify) forward of :class:`flashspec.cache.StaticLM` multiplies ``M = B·q ≤ 16``
+A decode (or verify) forward of :class:`flashspec.models.static.StaticLM` multiplies ``M = B·q ≤ 16``
 token rows by each weight matrix: a matrix–vector product whose cost is reading the weights.
 cuBLAS runs the small ones of a 1.5B model far below the copy bandwidth (Qwen2.5-1.5B on an
 H200: the 4.7 MB output projection took 6.0 µs, 0.8 TB/s), and every element-wise step between
@@ -13,15 +13,15 @@ computes any of
 * ``h    = silu(gate) · up`` of ``linear(rms_norm(x))`` with ``[gate; up]`` stacked — ``gated``
 * ``x    = x + linear(h)``                          — ``residual`` given
 
-in one launch. :class:`~flashspec.cache.StaticLM` chooses which maps go through it
+in one launch. :class:`~flashspec.models.static.StaticLM` chooses which maps go through it
 (``StaticLM.decode_maps`` for forwards of one token row, ``decode_maps_wide`` for 2 to 16).
 
 Two inner products; on CUDA the autotuner picks a tile of one per matrix and row class:
 
 * **CUDA cores** (one token row) — float32 products of ``BLOCK_N × BLOCK_K`` blocks summed
   element-wise over ``K`` and reduced once; 1 to 8 weight rows per program, so even a 1,536-row
-  matrix spreads over hundreds of programs. With the weights cold in L2 (an H200:
-  docs/lab/NOTES.md, probe 12) it beats cuBLAS's ``F.linear`` on the output projection
+  matrix spreads over hundreds of programs. With the weights cold in L2 (an H200;
+  BENCHMARKS.md, "Kernels") it beats cuBLAS's ``F.linear`` on the output projection
   (Qwen2.5-1.5B shape 3.7 against 6.6 µs, Llama-3-8B shape 10.7 against 12.8), the down
   projection (9.5 against 11.2; 31.1 against 32.6) and the 1.5B's q/k/v (4.8 against 5.3),
   norm, SiLU·up and residual add included; it loses on the 8B's gate/up (68.7 against 58.8 µs)
@@ -61,8 +61,8 @@ a per-row sum over the same ``[16, BLOCK_K]`` tiles — so a token's outputs are
 1-row forward and in a wider one. Neither the column tile nor the pipeline depth changes a bit
 (each column's chain of tensor-core steps over ``K`` is the same), so two processes agree too.
 Narrow maps keep their whole ``K`` per program: splitting ``K`` into chunks summed by a second
-kernel was measured slower on every map of the Qwen2.5-1.5B shape (an H100, BENCHMARKS.md,
-issue 22), while a deeper pipeline (5 stages) made the 1,536-column maps up to 1.45× faster.
+kernel was measured slower on every map of the Qwen2.5-1.5B shape (an H100; CHANGELOG.md),
+while a deeper pipeline (5 stages) made the 1,536-column maps up to 1.45× faster.
 
 Grid and traffic: ``ceil(N / BLOCK_N)`` programs (times the row tiles in bit-exact mode); each
 reads its ``BLOCK_N`` weight rows once (``2·BLOCK_N`` for ``gated``) and the ``M ≤ 16`` input rows
@@ -366,11 +366,11 @@ if triton is not None:
     def _configs() -> list:
         """CUDA-core tiles for one row (1 to 8 weight rows per program, so small matrices still
         spread over every SM) and tensor-core tiles (16 padded rows) for several: the winners of
-        a sweep on an H200 (docs/lab/NOTES.md, probe 12), where 8-warp tensor-core tiles, 16-row
+        a sweep on an H200 (BENCHMARKS.md, "Kernels"), where 8-warp tensor-core tiles, 16-row
         CUDA-core tiles and loading the next weight block ahead never won. Bit-exact mode (class 3)
         takes the tensor-core tiles of one K block (``EXACT_BLOCK_K``) with 3 or 5 stages: on an
         H100, 5 stages made its 1-row Qwen2.5-1.5B down projection 1.45× and o projection 1.14×
-        faster, 3 its output head 1.05× (BENCHMARKS.md, issue 22)."""
+        faster, 3 its output head 1.05× (CHANGELOG.md)."""
         configs = []
         for block_n, block_k, warps in ((1, 2048, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
                                         (4, 2048, 4), (8, 512, 4), (8, 512, 8), (8, 1024, 4)):
@@ -400,7 +400,7 @@ if triton is not None:
 
     # One choice per (N, K, flags, row class), never per M: batch invariance (module docstring,
     # SPEC.md §3). PDL is in the key: a choice timed with it on is not reused with it off (a tile
-    # chosen under other launch conditions doubled gate/up's time: docs/lab/NOTES.md, probe 15).
+    # chosen under other launch conditions doubled gate/up's time on an H200; CHANGELOG.md).
     _tuned = triton.autotune(configs=_configs(),
                              key=["N", "K", "HAS_BIAS", "NORM", "RESIDUAL", "GATED", "row_class", "PDL"],
                              prune_configs_by={"early_config_prune": _prune})(_decode_linear_kernel)

@@ -3,8 +3,7 @@
 
 A decode forward of a small model is a chain of small kernels, each depending on the one before
 (a Qwen2.5-1.5B layer: q/k/v, rotary + cache write, two attention kernels, o, gate/up, down).
-In a CUDA graph the gap between two of them is only ≈ 0.45 µs (an H200's kernel timeline,
-docs/lab/NOTES.md, probe 15), but each kernel still starts cold: its programs are scheduled,
+In a CUDA graph the gap between two of them is only ≈ 0.45 µs (an H200's kernel timeline), but each kernel still starts cold: its programs are scheduled,
 load their first bytes and only then do work. With PDL (a launch attribute, kept by CUDA graphs
 as a programmatic edge) the next kernel's programs may be launched while the current one still
 runs. Every Triton kernel of the decode forward (:mod:`flashspec.kernels.decode_linear`,
@@ -16,18 +15,17 @@ runs. Every Triton kernel of the decode forward (:mod:`flashspec.kernels.decode_
 2. **let the next kernel launch** (``gdc_launch_dependents``), then read the inputs and compute.
 
 Nothing is read or written before the wait, so the arithmetic and every value are unchanged
-(checked bit for bit on an H200: ``tests/kernels/test_pdl.py``, and docs/lab/NOTES.md, probe 15).
-Measured side by side (docs/lab/NOTES.md, probe 16: three rounds, graph replay; BENCHMARKS.md
-for the reported run): the one-token forward of the Qwen2.5-1.5B shape about 10 % faster with
+(checked bit for bit on an H200: ``tests/kernels/test_pdl.py``). Measured side by side on an
+H200 (three rounds, graph replay; BENCHMARKS.md, "Kernels"): the one-token forward of the Qwen2.5-1.5B shape about 10 % faster with
 the default maps, of the Llama-3-8B shape 3 %; the 8B shape's 5-token forward 2.3 % slower (not
 understood). Prefetching the next kernel's weights into L2 before the wait was tried too and
-made things slower (docs/lab/NOTES.md, probe 15: the prefetched tiles of a 55 MB gate/up or a
+made things slower (CHANGELOG.md: the prefetched tiles of a 55 MB gate/up or a
 117 MB down projection evict one another before they are read).
 
 Bit-exact mode (SPEC.md §14) launches its linear maps and attention without PDL: its
 tensor-core tiles hold far more shared memory than the default's, and chained by PDL its
 one-token forward of the Qwen2.5-1.5B shape replayed in 2.54 ms against 2.07 launched plainly,
-while PDL took the default's from 2.38 to 1.99 ms (an H100, not compiled; BENCHMARKS.md, issue 22).
+while PDL took the default's from 2.38 to 1.99 ms (an H100, not compiled; CHANGELOG.md).
 Why PDL slows these tiles is not known.
 
 A kernel launched after one that does not take part (cuBLAS, inductor's) simply starts when that

@@ -1,6 +1,6 @@
 """Rotary embedding and the KV-cache write of a decode forward, in one Triton kernel.
 
-A decode (or verify) forward of :class:`flashspec.cache.StaticLM` feeds ``q ≤ 16`` tokens. Per
+A decode (or verify) forward of :class:`flashspec.models.static.StaticLM` feeds ``q ≤ 16`` tokens. Per
 layer it must rotate the queries and keys (rotary position embedding) and write the rotated keys
 and the values into the static cache at the tokens' positions. Written in PyTorch this is three
 kernels per layer even under ``torch.compile`` (the rotation, and one scatter each for keys and

@@ -60,6 +60,7 @@ class Graphs:
         self.limit = limit  # at most this many graphs: a capture past it drops them all first
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool = torch.cuda.graph_pool_handle() if enabled else None
+        self._reads: tuple[Any, ...] = ()  # what the captured graphs read (see reading)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -72,8 +73,8 @@ class Graphs:
         """``fn()``, replayed from a CUDA graph when one was captured for ``key`` (never
         captured when ``key`` is None). ``warm``: replay a new graph once right after capturing
         it, so that no later call pays its first replay, which costs more than the others (on
-        the H200, 1.3–1.7 ms more for a 1.5B model's prefill: BENCHMARKS.md, "Probe
-        (2026-12-03, session 23)"); only for an ``fn`` that is harmless to repeat."""
+        the H200, 1.3–1.7 ms more for a 1.5B model's prefill: BENCHMARKS.md, "The server"); only
+        for an ``fn`` that is harmless to repeat."""
         if not self.enabled or key is None:
             return fn()
         entry = self._graphs.get(key)
@@ -106,6 +107,15 @@ class Graphs:
                 if other != width and (other, *key) not in self:
                     self.run((other, *key), lambda w=other: fn(w), warm=True)
         return self.run((width, *key), lambda: fn(width), warm=repeatable)
+
+    def reading(self, *inputs: Any) -> None:
+        """Say which buffers the next call's function reads (tensors, by storage; other values as
+        they are): when they are not those the captured graphs read, every graph is dropped, since
+        a replay would read memory that may have been freed."""
+        key = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in inputs)
+        if key != self._reads:
+            self.clear()
+            self._reads = key
 
     def clear(self) -> None:
         """Drop every captured graph (their buffers go with them). The memory pool goes too:

@@ -186,8 +186,7 @@ def eval_mode(*models: Any) -> Iterator[None]:
     """Run with every module of every model in eval mode (no dropout), then put back the mode
     each module had: the engine does not leave a caller's model switched (SPEC.md §5). Models
     already wholly in eval mode (the usual case) are not touched: switching one sets an attribute
-    on each of its modules, which cost milliseconds per call (BENCHMARKS.md, "Never slower …
-    (2026-12-03, session 23)")."""
+    on each of its modules, which cost milliseconds per call on an H200 (CHANGELOG.md)."""
     switched: list[tuple[Any, list[Any]]] = []
     try:
         for m in models:

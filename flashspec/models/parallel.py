@@ -17,7 +17,7 @@ The split, Megatron/gpt-fast style, for ``W`` processes:
 The collectives are ``torch.distributed._functional_collectives`` calls: eager on gloo (CPU
 tests), and traceable by ``torch.compile`` and capturable in CUDA graphs on NCCL. The split
 modules are ordinary ``nn.Module`` s, so the sharded model also runs through transformers'
-own ``forward``/``generate`` on every rank, and :class:`~flashspec.cache.StaticLM` reads its
+own ``forward``/``generate`` on every rank, and :class:`~flashspec.models.static.StaticLM` reads its
 per-rank head counts off the projection shapes.
 """
 
@@ -199,7 +199,9 @@ def shard_model(model: Any, group: Any = None) -> Any:
     """Keep, in place, this rank's part of a Llama/Qwen2/Qwen3/Mistral causal LM (module
     docstring) and return it. Every rank of ``group`` (default: all processes) must call this
     on the same model. With one process the model is returned unchanged."""
-    from .cache import StaticLM  # cache imports nothing from here; imported late all the same
+    from .static import (
+        StaticLM,  # cache imports nothing from here; imported late all the same
+    )
 
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("shard_model needs a process group: call init_tensor_parallel() first (under torchrun).")
@@ -241,7 +243,7 @@ def load_tensor_parallel(
     (default :func:`local_device`), in ``dtype`` (default bfloat16 on CUDA, float32 on CPU).
     Joins the torchrun process group first if needed. Every rank reads the whole checkpoint
     into CPU memory once, then keeps its slice."""
-    from .models import load_model
+    from .loading import load_model
 
     init_tensor_parallel()
     device = torch.device(device) if device is not None else local_device()

@@ -1,24 +1,23 @@
-"""Models behind KV caches that the decode loop can roll back (SPEC.md §3).
+"""A Llama-family model behind a KV cache the decode loop can roll back (SPEC.md §3).
 
-Both classes answer one call, :meth:`forward`: feed ``tokens [B, q]`` at positions
+:class:`StaticLM` answers the call every cached model answers (:meth:`StaticLM.forward`; the
+other is :class:`~flashspec.models.cached.CachedLM`): feed ``tokens [B, q]`` at positions
 ``start[b] .. start[b] + q - 1`` of each row, forgetting whatever the cache held at positions
 ``>= start[b]``, and return logits. The loop never "rolls back" explicitly: feeding at ``start``
-*is* the rollback.
+*is* the rollback. The cache is pre-allocated and indexed by position. A token's keys and values
+are written at its position, and a query at position ``p`` attends to keys at positions ``<= p``.
+Stale entries past a row's length are never read before they are overwritten, so rollback costs
+nothing, shapes never change and no step reads anything back to the host: the forward can be
+captured in a CUDA graph.
 
-* :class:`StaticLM` (Llama-family models): a pre-allocated cache indexed by position. A token's
-  keys and values are written at its position, and a query at position ``p`` attends to keys at
-  positions ``<= p``. Stale entries past a row's length are never read before they are
-  overwritten, so rollback costs nothing, shapes never change and no step reads anything back
-  to the host: the forward can be captured in a CUDA graph.
-* :class:`CachedLM` (every other causal LM): transformers' ``DynamicCache`` shared by rows of
-  different lengths, with *holes* masked out; rollback crops the cache, which reads lengths on
-  the host. The reference path for architectures :class:`StaticLM` does not know.
+Besides :meth:`~StaticLM.forward` and :meth:`~StaticLM.prefill`, named entry points serve the
+drafters made from the target (SPEC.md §11): :meth:`~StaticLM.early_exit`,
+:meth:`~StaticLM.layer_states`, :meth:`~StaticLM.forward_embeds` and :meth:`~StaticLM.resume`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
 import time
 from collections.abc import Iterator
@@ -27,15 +26,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from .kernels import attention
-from .kernels.decode_linear import MAX_ROWS as _LINEAR_ROWS
-from .kernels.decode_linear import decode_linear
-from .kernels.rope_kv import rope_write_kv
-from .models import context_window
+from ..checks import check_flag, check_int
+from ..kernels import attention
+from ..kernels.decode_linear import MAX_ROWS as _LINEAR_ROWS
+from ..kernels.decode_linear import decode_linear
+from ..kernels.rope_kv import rope_write_kv
+from .fusion import (
+    final_norm_fusable,
+    folds_in,
+    fuse,
+    norms_fusable,
+    sixteen_bit,
+    write_features,
+    write_kv,
+)
 
-__all__ = ["CachedLM", "StaticLM", "make_lm"]
+__all__ = ["StaticLM"]
 
 # SDPA backends for StaticLM's masked attention on CUDA: every one but cuDNN (see StaticLM.forward).
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -67,7 +75,7 @@ class StaticLM:
         first = self.base.layers[0].self_attn
         self.head_dim: int = first.head_dim
         # Read off the projections, not the config: a tensor-parallel rank holds only its share
-        # of the heads (flashspec.parallel), and its cache only their keys and values.
+        # of the heads (flashspec.models.parallel), and its cache only their keys and values.
         self.num_heads: int = first.q_proj.weight.shape[0] // self.head_dim
         self.num_kv_heads: int = first.k_proj.weight.shape[0] // self.head_dim
         self.apply_rope = sys.modules[type(first).__module__].apply_rotary_pos_emb
@@ -75,8 +83,8 @@ class StaticLM:
         self.batch, self.capacity = 0, 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.base.layers]
-        self.gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.base.layers]
+        self.qkv = [fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.base.layers]
+        self.gate_up = [fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.base.layers]
         # Decode forwards on CUDA (SPEC.md §3) use the flash-decoding Triton kernel
         # (flashspec.kernels.attention) and rotate queries and keys and write the cache in one
         # kernel (flashspec.kernels.rope_kv) instead of three; prefills, CPUs and machines without
@@ -84,11 +92,10 @@ class StaticLM:
         # Which linear maps of a decode forward run through flashspec.kernels.decode_linear, each
         # with the element-wise work around it folded in (16-bit models; decode_maps for one
         # token row, decode_maps_wide for 2 to 16). Defaults (SPEC.md §3): the maps that beat
-        # cuBLAS on both an H200's Qwen2.5-1.5B and Llama-3-8B shapes (docs/lab/NOTES.md, probes
-        # 12 and 16; BENCHMARKS.md); q/k/v with its norm folded in only where the model's norm is
-        # the one decode_linear computes.
-        self._norms_fusable = _norms_fusable(model)
-        sixteen = _sixteen_bit(model)
+        # cuBLAS on both an H200's Qwen2.5-1.5B and Llama-3-8B shapes (BENCHMARKS.md, "Kernels");
+        # q/k/v with its norm folded in only where the model's norm is the one decode_linear computes.
+        self._norms_fusable = norms_fusable(model)
+        sixteen = sixteen_bit(model)
         one_row = {"qkv", "o", "down"} if self._norms_fusable else {"o", "down"}
         self.decode_maps = frozenset(one_row) if sixteen else frozenset()
         self.decode_maps_wide = frozenset({"o"}) if sixteen else frozenset()
@@ -119,8 +126,7 @@ class StaticLM:
 
     @bit_exact.setter
     def bit_exact(self, value: Any) -> None:
-        if not isinstance(value, bool):
-            raise ValueError(f"bit_exact must be True or False; got {value!r}.")
+        check_flag("bit_exact", value)
         if value:
             reason = self._bit_exact_unsupported()
             if reason:
@@ -132,16 +138,16 @@ class StaticLM:
 
     def _bit_exact_unsupported(self) -> str | None:
         """Why bit-exact mode cannot run for this model here, or None."""
-        if not _sixteen_bit(self.model):
+        if not sixteen_bit(self.model):
             return ("it is for bfloat16 and float16 models (in float32 a 1-token and a several-token forward "
                     "already agree to about 1e-6, SPEC.md §7)")
         if getattr(self.model, "_flashspec_tp", None) is not None:
             return "tensor-parallel ranks add partial sums in another order than one GPU (SPEC.md §9)"
-        if not (self._norms_fusable and _final_norm_fusable(self.model)):
+        if not (self._norms_fusable and final_norm_fusable(self.model)):
             return ("the model's RMSNorms or its MLP activation are not the ones flashspec's decode kernels "
                     "compute, so its linear maps cannot all run through them")
         attn = self.base.layers[0].self_attn
-        if hasattr(attn, "q_norm") and not (_folds_in(attn.q_norm) and _folds_in(attn.k_norm)):
+        if hasattr(attn, "q_norm") and not (folds_in(attn.q_norm) and folds_in(attn.k_norm)):
             return "its per-head query and key norms are not the RMSNorm flashspec's rotation kernel computes"
         param = next(self.model.parameters())
         if not attention.available(param):
@@ -191,7 +197,7 @@ class StaticLM:
         unknown = maps - set(self.DECODE_MAPS)
         if unknown:
             raise ValueError(f"{name} can hold {', '.join(self.DECODE_MAPS)}; got {sorted(unknown)}")
-        if maps and not _sixteen_bit(self.model):
+        if maps and not sixteen_bit(self.model):
             raise ValueError(f"{name} needs a bfloat16 or float16 model; this one keeps cuBLAS")
         if maps & {"qkv", "gate_up"} and not self._norms_fusable:
             raise ValueError(f"{name} 'qkv' and 'gate_up' fold in the model's RMSNorm (and SiLU·up), but this "
@@ -246,43 +252,61 @@ class StaticLM:
         finally:
             self.keys, self.values, self.batch = keys, values, batch
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        start: torch.Tensor,
-        real: torch.Tensor | None = None,
-        logits_at: torch.Tensor | None = None,
-        layers: int | None = None,
-        hidden_out: dict[int, torch.Tensor] | None = None,
-        embeds: torch.Tensor | None = None,
-        head: bool = True,
-        first_layer: int = 0,
-        eager: bool = False,
-    ) -> torch.Tensor:
+    # ------------------------------------------------------------------ entry points
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, real: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None, hidden_out: dict[int, torch.Tensor] | None = None,
+                eager: bool = False) -> torch.Tensor:
         """Feed ``tokens [B, q]`` at positions ``start[b] + j``; logits ``[B, q, V]``, or only the
         columns ``logits_at [B, m]``. ``real`` is accepted for interface parity and ignored:
         a padding token writes a stale entry that is overwritten before any query can see it.
-        ``layers``: run only the first this many decoder layers (writing their cache entries),
-        then the final norm and the output head — an early exit (SPEC.md §11); None: all.
         ``hidden_out {n: [B, capacity, hidden]}``: also write the output of the first ``n`` layers
         (for ``n`` = all of them: before the final norm) of every fed position there, for drafters
-        that read the target's features (SPEC.md §11). ``embeds [B, q, hidden]``: feed these input
-        vectors instead of ``tokens``' embeddings. ``head=False``: return the last layer run's
-        output (before the final norm) instead of logits. ``first_layer=n`` with ``embeds``: those
-        vectors are the output of the first ``n`` layers at the fed positions (their cache entries
-        already written); run layers ``n`` on only (and write ``hidden_out[n]`` with ``embeds``) —
-        the verify forward that reuses a shallow drafter's states (SPEC.md §11). ``eager=True``:
-        not through the compiled forward even when it is short — prefills, whose widths are the
-        prompts' lengths, so that a new short prompt never compiles inside its request (SPEC.md §3)."""
-        if first_layer:
-            stop = len(self.base.layers) if layers is None else layers
-            if isinstance(first_layer, bool) or not isinstance(first_layer, int) or not 0 < first_layer <= stop:
-                raise ValueError(f"first_layer must be an integer from 0 to the last layer run ({stop}); "
-                                 f"got {first_layer!r}.")
-            if embeds is None:
-                raise ValueError("first_layer > 0 starts from given hidden states: pass them as embeds "
-                                 "(the output of the first first_layer layers at the fed positions).")
+        that read the target's features (SPEC.md §11). ``eager=True``: not through the compiled
+        forward even when it is short (:meth:`prefill`)."""
+        return self._run(tokens, start, logits_at=logits_at, hidden_out=hidden_out, eager=eager)
+
+    def prefill(self, tokens: torch.Tensor, start: torch.Tensor, real: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None, hidden_out: dict[int, torch.Tensor] | None = None,
+                ) -> torch.Tensor:
+        """:meth:`forward`, never compiled: prefills, whose widths are the prompts' lengths, so
+        that a new short prompt never compiles inside its request (SPEC.md §3)."""
+        return self._run(tokens, start, logits_at=logits_at, hidden_out=hidden_out, eager=True)
+
+    def early_exit(self, tokens: torch.Tensor, start: torch.Tensor, layers: int,
+                   hidden_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits after only the first ``layers`` decoder layers (writing their cache entries),
+        then the final norm and the output head: an early exit (SPEC.md §11)."""
+        return self._run(tokens, start, layers=layers, hidden_out=hidden_out)
+
+    def layer_states(self, tokens: torch.Tensor, start: torch.Tensor, layers: int | None = None,
+                     hidden_out: dict[int, torch.Tensor] | None = None, eager: bool = False) -> torch.Tensor:
+        """The output ``[B, q, hidden]`` of the first ``layers`` decoder layers (None: all of them,
+        before the final norm) at the fed positions, writing their cache entries; no head."""
+        return self._run(tokens, start, layers=layers, hidden_out=hidden_out, head=False, eager=eager)
+
+    def forward_embeds(self, embeds: torch.Tensor, start: torch.Tensor, logits_at: torch.Tensor | None = None,
+                       hidden_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """:meth:`forward` fed the input vectors ``embeds [B, q, hidden]`` instead of tokens'
+        embeddings (drafters whose inputs are the target's features, SPEC.md §11)."""
+        return self._run(None, start, embeds=embeds, logits_at=logits_at, hidden_out=hidden_out)
+
+    def resume(self, states: torch.Tensor, start: torch.Tensor, first_layer: int,
+               hidden_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits from ``states [B, q, hidden]``, the output of the first ``first_layer`` layers at
+        the fed positions (their cache entries already written): run layers ``first_layer`` on
+        only (and write ``hidden_out[first_layer]`` with ``states``) — the verify forward that
+        reuses a shallow drafter's states (SPEC.md §11)."""
+        stop = len(self.base.layers)
+        check_int("first_layer", first_layer, 1, stop, upto=f"the last layer ({stop})")
+        return self._run(None, start, embeds=states, hidden_out=hidden_out, first_layer=first_layer)
+
+    @torch.inference_mode()
+    def _run(self, tokens: torch.Tensor | None, start: torch.Tensor, *, embeds: torch.Tensor | None = None,
+             logits_at: torch.Tensor | None = None, layers: int | None = None,
+             hidden_out: dict[int, torch.Tensor] | None = None, head: bool = True, first_layer: int = 0,
+             eager: bool = False) -> torch.Tensor:
+        """Every entry point's forward: compiled when short (``compile=True``, at most
+        :attr:`COMPILED_WIDTHS` tokens, not ``eager``), else eagerly."""
         started = time.perf_counter()
         width = (tokens if embeds is None else embeds).shape[1]
         compiled = self._compiled is not None and width <= self.COMPILED_WIDTHS and not eager
@@ -291,8 +315,8 @@ class StaticLM:
             logits = self._compiled(*inputs, logits_at, layers, hidden_out, head, first_layer)
         elif inputs[0].is_cuda:
             # Prefills (and uncompiled decodes) on CUDA: SDPA without the cuDNN backend, which
-            # plans each new query length afresh (SPEC.md §3; ≈ 50 ms per new prompt length on an
-            # H200, docs/lab/NOTES.md, probe 9): every request's prompt length is usually new.
+            # plans each new query length afresh (SPEC.md §3; about 50 ms per new prompt length
+            # on an H200): every request's prompt length is usually new.
             with sdpa_kernel(_SDPA_BACKENDS):
                 logits = self._forward(*inputs, logits_at, layers, hidden_out, head, first_layer)
         else:
@@ -339,7 +363,7 @@ class StaticLM:
         # Where this forward's keys and values go: [B, H_kv, q, D] indices along the position axis.
         slots = positions[:, None, :, None].expand(batch, kv_heads, width, dim)
 
-        # (Not on tensor-parallel ranks: their o/down projections all-reduce, flashspec.parallel.)
+        # (Not on tensor-parallel ranks: their o/down projections all-reduce, flashspec.models.parallel.)
         fused = frozenset()
         exact = self._bit_exact and use_kernel  # SPEC.md §14: every map, the head too, any row count
         if exact:
@@ -348,7 +372,7 @@ class StaticLM:
             fused = self.decode_maps if batch * width == 1 else self.decode_maps_wide
 
         if first_layer and hidden_out is not None and first_layer in hidden_out:  # the features fed in
-            _write_features(hidden_out[first_layer], positions, x)
+            write_features(hidden_out[first_layer], positions, x)
         for i in range(first_layer, len(self.base.layers) if layers is None else layers):
             layer = self.base.layers[i]
             attn, mlp = layer.self_attn, layer.mlp
@@ -398,7 +422,7 @@ class StaticLM:
             else:
                 x = x + mlp.down_proj(h)
             if hidden_out is not None and i + 1 in hidden_out:  # the features after layer i, at their positions
-                _write_features(hidden_out[i + 1], positions, x)
+                write_features(hidden_out[i + 1], positions, x)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         if not head:
@@ -409,184 +433,3 @@ class StaticLM:
                                  exact=True)
         return self.model.lm_head(self.base.norm(x))
 
-
-def _write_features(buffer: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
-    """``buffer [B, capacity, hidden]`` at ``positions [B, q]`` ← ``x [B, q, hidden]`` (SPEC.md §11)."""
-    buffer.scatter_(1, positions[..., None].expand(-1, -1, x.shape[-1]), x.to(buffer.dtype))
-
-
-def _sixteen_bit(model: PreTrainedModel) -> bool:
-    """Whether ``model`` computes in bfloat16 or float16 (float32 models keep cuBLAS, and with it
-    their token-for-token equality with ``generate()``)."""
-    weight = model.model.layers[0].self_attn.o_proj.weight
-    return weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type != "meta"
-
-
-def _norms_fusable(model: PreTrainedModel) -> bool:
-    """Whether ``model``'s layers use a SiLU-gated MLP and RMSNorms that compute exactly the
-    formula :func:`flashspec.kernels.decode_linear.decode_linear` folds in (checked by running one
-    on a random input, not by trusting the class name)."""
-    if getattr(model.config, "hidden_act", None) not in ("silu", "swish") or not _sixteen_bit(model):
-        return False
-    layer = model.model.layers[0]
-    return all(_folds_in(norm) for norm in (layer.input_layernorm, layer.post_attention_layernorm))
-
-
-def _folds_in(norm: torch.nn.Module) -> bool:
-    """Whether ``norm`` computes exactly the RMSNorm ``decode_linear`` folds in (run on a random
-    input)."""
-    if not (isinstance(getattr(norm, "weight", None), torch.Tensor) and hasattr(norm, "variance_epsilon")
-            and norm.weight.dim() == 1):
-        return False
-    with torch.no_grad():
-        weight = norm.weight
-        x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
-        xf = x.float()
-        expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(x.dtype)
-        return bool(torch.equal(norm(x), (weight.float() * expected.float()).to(x.dtype)))
-
-
-def _final_norm_fusable(model: PreTrainedModel) -> bool:
-    """Whether ``model``'s final norm computes the RMSNorm that ``decode_linear`` folds in and its
-    output head is a plain linear map (bit-exact mode computes them as one, SPEC.md §14)."""
-    return isinstance(model.lm_head, torch.nn.Linear) and _folds_in(model.model.norm)
-
-
-def _write_kv(
-    keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, slots: torch.Tensor
-) -> None:
-    keys.scatter_(2, slots, new_keys)
-    values.scatter_(2, slots, new_values)
-
-
-def _register_write_kv():
-    """The op, registered once per process (even if this module is loaded twice)."""
-    if hasattr(torch.ops.flashspec, "write_kv"):
-        return torch.ops.flashspec.write_kv
-    op = torch.library.custom_op("flashspec::write_kv", _write_kv, mutates_args=("keys", "values"))
-    op.register_fake(lambda keys, values, new_keys, new_values, slots: None)
-    return op
-
-
-# write_kv(keys, values, new_keys, new_values, slots): write a forward's keys and values into the
-# cache, in place, at ``slots [B, H_kv, q, D]`` (positions along axis 2). An opaque op that
-# declares what it mutates: written as a plain ``scatter_`` inside a compiled forward, the cache
-# (a graph input) is functionalised into a fresh copy of the whole cache per layer, scattered and
-# copied back — work that grows with the cache's capacity, not with the context (SPEC.md §3;
-# measured in docs/lab/NOTES.md, probe 8). Declared this way, the compiled graph writes in place.
-write_kv = _register_write_kv()
-
-
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several linear maps of the same input, stacked by output.
-
-    The modules' parameters keep their identity, ``requires_grad`` and values; only their
-    storage becomes a slice of the fused tensor (``param.data = slice``), so nothing is held
-    twice, an optimizer built earlier still holds the model's parameters, and in-place updates
-    of them (an optimizer step, ``load_state_dict``) are what the engine computes with."""
-    cached = getattr(linears[0], "_flashspec_fused", None)
-    if cached is not None and cached[0].data_ptr() == linears[0].weight.data_ptr():
-        return cached  # already fused by another wrapper of the same model: share it
-    with torch.no_grad():
-        weight = torch.cat([m.weight for m in linears])
-        bias = None
-        if any(m.bias is not None for m in linears):
-            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
-        offset = 0
-        for m in linears:
-            n = m.out_features
-            m.weight.data = weight[offset : offset + n]
-            if m.bias is not None:
-                m.bias.data = bias[offset : offset + n]
-            offset += n
-    linears[0]._flashspec_fused = (weight, bias)
-    return weight, bias
-
-
-class CachedLM:
-    """Any transformers causal LM behind a ``DynamicCache`` that rows of different lengths share.
-
-    All rows share one physical length; a position that holds no real token of a row is a hole,
-    masked out as a key. Position ids count real tokens only, so each row sees exactly the
-    positions it would see alone. Rolling back crops the cache (a host read per step).
-    """
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
-        accepted = inspect.signature(model.forward).parameters
-        self._accepts_logits_to_keep = "logits_to_keep" in accepted
-        # transformers >= 5.24 renames past_key_values to cache.
-        self._cache_argument = "cache" if "cache" in accepted else "past_key_values"
-        # Positions past the window only ever hold tokens beyond a row's budget, which are thrown
-        # away; clamping them keeps learned position tables (GPT-2, OPT) in range.
-        self._last_position = (context_window(model.config) or 2**62) - 1
-        self.forward_seconds = 0.0
-        self.reset(0, 0)
-
-    def reset(self, batch: int, capacity: int) -> bool:
-        """Forget everything; the next :meth:`forward` starts a new batch of ``batch`` rows.
-        (Never captured in graphs, so this reports no buffer replacement.)"""
-        device = self.model.device
-        self.cache = DynamicCache(config=self.model.config)
-        self.key_mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        self.num_real = torch.zeros(batch, dtype=torch.long, device=device)
-        return False
-
-    @property
-    def length(self) -> int:
-        """Physical cache length (real tokens plus holes)."""
-        return self.key_mask.shape[1]
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        start: torch.Tensor,
-        real: torch.Tensor | None = None,
-        logits_at: torch.Tensor | None = None,
-        eager: bool = False,
-    ) -> torch.Tensor:
-        """Feed ``tokens [B, q]`` as real tokens ``start[b]..`` (where ``real [B, q]`` is 1; rows
-        whose first column is not real are left as they are and get holes). ``eager`` is
-        accepted for interface parity with :class:`StaticLM` (nothing here is compiled)."""
-        real = torch.ones_like(tokens) if real is None else real.long()
-        row_feeds = real[:, 0] > 0
-        self._keep(torch.where(row_feeds, start.to(self.num_real.device), self.num_real))
-        logits = self._append(tokens, real)
-        if logits_at is not None:
-            logits = logits.gather(1, logits_at[..., None].expand(-1, -1, logits.shape[-1]))
-        return logits
-
-    def _append(self, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        positions = self.num_real[:, None] + torch.cumsum(real, dim=1) - 1
-        positions = positions.clamp(min=0, max=self._last_position)  # a leading hole gets 0
-        self.key_mask = torch.cat([self.key_mask, real], dim=1)
-        kwargs = {self._cache_argument: self.cache}
-        if self._accepts_logits_to_keep:
-            kwargs["logits_to_keep"] = tokens.shape[1]
-        started = time.perf_counter()
-        out = self.model(
-            input_ids=tokens, attention_mask=self.key_mask, position_ids=positions, use_cache=True, **kwargs
-        )
-        self.forward_seconds += time.perf_counter() - started
-        self.num_real = self.num_real + real.sum(dim=1)
-        return out.logits[:, -tokens.shape[1]:]
-
-    def _keep(self, num_real: torch.Tensor) -> None:
-        """Row ``b`` keeps its first ``num_real[b]`` real tokens; the rest become holes and the
-        physical length shrinks to what is still used."""
-        num_real = torch.minimum(num_real, self.num_real)
-        rank = torch.cumsum(self.key_mask, dim=1)
-        self.key_mask = self.key_mask * (rank <= num_real[:, None]).long()
-        self.num_real = num_real
-        used = self.key_mask.any(dim=0).nonzero()
-        new_length = int(used[-1]) + 1 if used.numel() else 0
-        if new_length < self.length:
-            self.cache.crop(new_length - self.length)  # negative: remove that many positions
-            self.key_mask = self.key_mask[:, :new_length]
-
-
-def make_lm(model: PreTrainedModel, compile: bool = False) -> StaticLM | CachedLM:
-    """The fastest exact wrapper for ``model``: :class:`StaticLM` when it knows the architecture
-    (``compile`` applies to it only)."""
-    return StaticLM(model, compile=compile) if StaticLM.supports(model) else CachedLM(model)

@@ -26,10 +26,10 @@ from .base import REWARDS, BaseSelector, Observation, Selector
 from .epsilon import EpsilonGreedySelector
 from .fixed import FixedSelector
 from .oracle import OracleSelector
-from .request import RequestSelector
-from .thompson import ThompsonSelector
 from .registry import SELECTORS, make_selector, selector_from_state_dict
+from .request import RequestSelector
 from .state import Selection
+from .thompson import ThompsonSelector
 from .ucb import DiscountedUCBSelector, SlidingWindowUCBSelector, UCB1Selector
 
 __all__ = [

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
+from ..checks import check_int
 from .base import Selector
 from .registry import make_selector, selector_from_state_dict
 
@@ -44,8 +45,7 @@ class Selection:
 
     def __init__(self, selector: str | Selector, num_arms: int, *, share: bool = True,
                  max_contexts: int = MAX_CONTEXTS, **options: Any) -> None:
-        if isinstance(max_contexts, bool) or not isinstance(max_contexts, int) or max_contexts < 1:
-            raise ValueError(f"max_contexts must be an integer >= 1; got {max_contexts!r}.")
+        check_int("max_contexts", max_contexts, 1)
         self.num_arms = num_arms
         self.max_contexts = max_contexts
         self.share = bool(share)

@@ -13,17 +13,24 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batching import Batch, RowUpdate
-from . import _admissible_warmup_lengths
+from ..decode.batch import Batch, RowUpdate
 from .metrics import Metrics
 
 __all__ = ["QueueFull", "Scheduler", "Ticket"]
 
 log = logging.getLogger("flashspec.serve")
+
+
+def admissible_warmup_lengths(lengths: Iterable[int], max_length: int) -> tuple[int, ...]:
+    """``lengths`` clamped as :meth:`~flashspec.decode.batch.Batch.warmup` clamps them, to 1 …
+    ``max_length - 2`` (the longest prompt a warm-up request of 2 new tokens fits), each kept
+    once, in their first order: lengths that clamp alike would prefill the same shape twice."""
+    top = max(1, max_length - 2)
+    return tuple(dict.fromkeys(max(1, min(int(n), top)) for n in lengths))
 
 
 class QueueFull(RuntimeError):
@@ -50,7 +57,7 @@ class Ticket:
 
 
 class Scheduler:
-    """Runs ``engine``'s :class:`~flashspec.batching.Batch` in a background thread.
+    """Runs ``engine``'s :class:`~flashspec.decode.batch.Batch` in a background thread.
 
     ``slots``: batch-size cap; ``max_prefill_tokens``: the token budget — prompt tokens fed at one
     step boundary (a request with a longer prompt still joins, alone); ``max_queue``: requests
@@ -145,7 +152,7 @@ class Scheduler:
                         lengths = self.warmup_lengths
                         if callable(lengths):
                             lengths = lengths(batch.max_length)
-                        self.warmed_lengths = _admissible_warmup_lengths(lengths, batch.max_length)
+                        self.warmed_lengths = admissible_warmup_lengths(lengths, batch.max_length)
                         self.warmup_seconds = batch.warmup(self.warmed_lengths)
                         first = False
                         self._ready.set()

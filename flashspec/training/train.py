@@ -2,61 +2,35 @@
 
 Teacher forcing on the target's own features and next-token laws. The target runs frozen; only
 the drafter's own part learns: a :class:`~flashspec.drafters.feature.FeatureHead` (kind
-``feature``) or a :class:`~flashspec.drafters.feature.ShallowHead` (kind ``shallow``). The loss is
+``feature``) or a :class:`~flashspec.drafters.shallow.ShallowHead` (kind ``shallow``). The loss is
 distillation, the cross-entropy of the drafter's law against the target's (soft labels), or
-against the next token itself with ``hard_labels``. A checkpoint holds only the trainable part
-(``drafter.safetensors``) and ``drafter.json``: the drafter's kind and size, the target it belongs
-to and a checksum of the target tensors it shares, so that loading it onto another target is a
-clear error.
-
-Data: each file's text (``.txt`` or ``.xz``) is cut like the corpus (SPEC.md §10): the last 5 %
-(from a line start) is never read. Training takes the first 90 %; the 5 % between is where the
-progress bar's acceptance estimate comes from.
+against the next token itself with ``hard_labels``. Checkpoints: :mod:`flashspec.drafters.checkpoint`;
+training text: :mod:`flashspec.training.data`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import lzma
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
-from .drafters.feature import FeatureHead, SubsetHead
-from .drafters.shallow import ShallowHead
+from ..checks import check_flag, check_int, check_number, is_number
+from ..drafters.checkpoint import KINDS, file_sha256, read_meta
+from ..drafters.feature import FeatureHead, SubsetHead
+from ..drafters.low_rank import LowRank, add_low_rank
+from ..drafters.shallow import ShallowHead
+from .data import draft_vocab
 
-__all__ = [
-    "KINDS",
-    "LowRank",
-    "TrainOptions",
-    "add_low_rank",
-    "continued_record",
-    "draft_vocab",
-    "estimate_acceptance",
-    "load_feature_head",
-    "load_head",
-    "training_totals",
-    "read_text",
-    "save_drafter",
-    "token_chunks",
-    "train_feature_head",
-    "train_head",
-]
+__all__ = ["TrainOptions", "chain_mask", "continued_record", "estimate_acceptance", "new_head", "train_feature_head",
+           "train_head", "training_totals"]
 
-KINDS = ("feature", "shallow")
 
-HELDOUT = 0.05  # never read
-ESTIMATE = 0.05  # just before it: the acceptance estimate's text
-FORMAT = 1
 WARMUP = 20  # the learning rates rise linearly over the first 1/20 of the steps
 FLOOR = 0.1  # then fall on a cosine to this fraction of their peak
 CLIP = 1.0  # gradient norm clipping
@@ -91,96 +65,15 @@ class TrainOptions:
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
+            check_int(name, value, 1)
         for name in ("lr_layers", "lr_head"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < 1):
-                raise ValueError(f"{name} must be a number in (0, 1); got {value!r}.")
-        if self.max_seconds is not None and (isinstance(self.max_seconds, bool) or not isinstance(
-                self.max_seconds, (int, float)) or not self.max_seconds > 0):
+            check_number(name, getattr(self, name), above=0, below=1, rule="a number in (0, 1)")
+        if self.max_seconds is not None and not (is_number(self.max_seconds) and self.max_seconds > 0):
             raise ValueError(f"max_seconds must be a number > 0 (or None); got {self.max_seconds!r}.")
-        if isinstance(self.feature_weight, bool) or not isinstance(self.feature_weight, (int, float)) or not (
-                0 <= self.feature_weight < math.inf):
-            raise ValueError(f"feature_weight must be a number >= 0; got {self.feature_weight!r}.")
+        check_number("feature_weight", self.feature_weight, 0, rule="a number >= 0")
         if self.unroll >= self.seq_len:
             raise ValueError(f"unroll ({self.unroll}) must be smaller than seq_len ({self.seq_len}).")
-        if not isinstance(self.hard_labels, bool):
-            raise ValueError(f"hard_labels must be True or False; got {self.hard_labels!r}.")
-
-
-def read_text(path: str | Path, part: str = "train") -> str:
-    """The text of ``path`` (``.xz`` decompressed): ``part="train"`` its first 90 %, ``"estimate"``
-    the 5 % after that; the last 5 % is never returned. Cuts are at line starts."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"Training data file {str(path)!r} does not exist.")
-    data = path.read_bytes()
-    if path.suffix == ".xz":
-        try:
-            data = lzma.decompress(data)
-        except lzma.LZMAError as error:
-            raise ValueError(f"Training data file {str(path)!r} is not a valid .xz file: {error}") from None
-
-    def cut(fraction: float) -> int:
-        at = data.find(b"\n", int(len(data) * fraction))
-        return len(data) if at < 0 else at + 1
-
-    end = cut(1 - HELDOUT)
-    middle = cut(1 - HELDOUT - ESTIMATE)
-    if part == "train":
-        return data[:middle].decode("utf-8", errors="replace")
-    if part == "estimate":
-        return data[middle:end].decode("utf-8", errors="replace")
-    raise ValueError(f"part must be 'train' or 'estimate'; got {part!r}.")
-
-
-def token_chunks(texts: list[str], tokenizer: Any, seq_len: int, cache: str | Path | None = None) -> torch.Tensor:
-    """``[N, seq_len]`` token ids: the texts tokenized, joined and cut into whole chunks.
-
-    ``cache``: a folder keeping each text's ids (keyed by its sha256 and the tokenizer's name and
-    size), so that training several drafters on the same files tokenizes them once."""
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(_tokenized(text, tokenizer, cache))
-    count = len(ids) // seq_len
-    if count == 0:
-        raise ValueError(f"The training data holds {len(ids)} tokens, fewer than one sequence of {seq_len}.")
-    return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
-
-
-PIECE = 1 << 18  # characters per piece a long text is tokenized in (at line starts, in one batch)
-
-
-def _tokenize(text: str, tokenizer: Any) -> list[int]:
-    """``text``'s ids, tokenized in pieces cut at line starts, as one batch (a fast tokenizer
-    spreads a batch over its threads); a piece boundary only ever falls before a line."""
-    pieces, start = [], 0
-    while start < len(text):
-        end = text.find("\n", start + PIECE)
-        end = len(text) if end < 0 else end + 1
-        pieces.append(text[start:end])
-        start = end
-    if len(pieces) <= 1:
-        return tokenizer(text)["input_ids"]
-    return [i for ids in tokenizer(pieces)["input_ids"] for i in ids]
-
-
-def _tokenized(text: str, tokenizer: Any, cache: str | Path | None) -> list[int]:
-    if cache is None:
-        return _tokenize(text, tokenizer)
-    key = hashlib.sha256(text.encode("utf-8", errors="replace"))
-    key.update(f"{getattr(tokenizer, 'name_or_path', '')}|{len(tokenizer)}".encode())
-    path = Path(cache) / f"{key.hexdigest()[:32]}.pt"
-    if path.is_file():
-        try:
-            return torch.load(path).tolist()
-        except Exception:  # noqa: BLE001 - a damaged cache entry is tokenized again
-            pass
-    ids = _tokenize(text, tokenizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(torch.tensor(ids, dtype=torch.int32), path)
-    return ids
+        check_flag("hard_labels", self.hard_labels)
 
 
 def _features_and_logits(target: Any, ids: torch.Tensor, after: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,19 +214,6 @@ def estimate_acceptance(head: Any, target: Any, chunks: torch.Tensor, batch: int
     return _acceptance(head, head.draft_model(target), target, chunks, batch)
 
 
-def draft_vocab(chunks: torch.Tensor, size: int, always: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
-    """The ``size`` most frequent token ids of ``chunks`` (ties: lower id first), plus ``always``
-    (e.g. the end-of-sequence ids): a reduced draft vocabulary (SPEC.md §11.4)."""
-    counts = torch.bincount(chunks.flatten())
-    order = torch.argsort(-counts, stable=True)  # most frequent first, ties by id
-    chosen = set(always)
-    for token in order[counts[order] > 0].tolist():  # only tokens that occur
-        if len(chosen) >= size:
-            break
-        chosen.add(token)
-    return torch.tensor(sorted(chosen), dtype=torch.long)
-
-
 def new_head(kind: str, target: Any, options: TrainOptions, vocab: torch.Tensor | None = None) -> Any:
     """An untrained head of ``kind`` for ``target``, on its device and dtype."""
     if kind == "feature":
@@ -462,12 +342,12 @@ def continued_record(folder: str | Path) -> dict[str, Any]:
     its path and checksum, its totals (:func:`training_totals`) and its acceptance estimates, with
     their steps counted from the first run's start."""
     folder = Path(folder)
-    prior = _read_meta(folder).get("training", {})
+    prior = read_meta(folder).get("training", {})
     totals = training_totals(prior)
     own = totals["steps"] - (prior.get("stopped_at_step") or len(prior.get("loss", [])) or prior.get("steps", 0))
     estimates = list(prior["before"].get("estimates", [])) if isinstance(prior.get("before"), dict) else []
     estimates += [{**e, "step": e["step"] + own} for e in prior.get("estimates", [])]
-    return {"path": str(folder), "sha256": _file_sha256(folder / "drafter.safetensors"), **totals,
+    return {"path": str(folder), "sha256": file_sha256(folder / "drafter.safetensors"), **totals,
             "estimates": estimates}
 
 
@@ -526,231 +406,7 @@ def _parameter_groups(head: Any, options: TrainOptions) -> list[dict[str, Any]]:
     return [{"params": outer, "lr": options.lr_head}, {"params": inner, "lr": options.lr_layers}]
 
 
-# ------------------------------------------------------------------ low-rank deltas (SPEC.md §11.5)
-class LowRank(nn.Module):
-    """A parametrization ``W → W + B·A`` of a linear map's weight (``A [rank, in]`` small random,
-    ``B [out, rank]`` zero, so training starts from the base drafter exactly)."""
-
-    def __init__(self, weight: torch.Tensor, rank: int) -> None:
-        super().__init__()
-        out, inp = weight.shape
-        self.A = nn.Parameter(torch.randn(rank, inp, dtype=weight.dtype, device=weight.device) / math.sqrt(inp))
-        self.B = nn.Parameter(torch.zeros(out, rank, dtype=weight.dtype, device=weight.device))
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight + self.B @ self.A
-
-
-def _linears(head: Any) -> dict[str, nn.Linear]:
-    """The head's own linear maps by state-dict name (the target's shared modules excluded)."""
-    return {name: m for name, m in head.named_modules() if isinstance(m, nn.Linear)}
-
-
-def add_low_rank(head: Any, rank: int) -> None:
-    """Give every linear map of ``head`` a trainable low-rank delta (:class:`LowRank`)."""
-    from torch.nn.utils import parametrize
-
-    for module in _linears(head).values():
-        if not parametrize.is_parametrized(module, "weight"):
-            parametrize.register_parametrization(module, "weight", LowRank(module.weight, rank))
-
-
-def low_rank_factors(head: Any) -> dict[str, torch.Tensor]:
-    """``{name.A, name.B}`` of every delta of ``head`` (what a delta checkpoint stores)."""
-    from torch.nn.utils import parametrize
-
-    out = {}
-    for name, module in _linears(head).items():
-        if parametrize.is_parametrized(module, "weight"):
-            delta = module.parametrizations.weight[0]
-            out[f"{name}.A"], out[f"{name}.B"] = delta.A.detach(), delta.B.detach()
-    return out
-
-
-def merge_low_rank(head: Any, factors: dict[str, torch.Tensor]) -> None:
-    """Add ``B·A`` to each named linear map's weight in place (loading a delta checkpoint)."""
-    linears = _linears(head)
-    names = {key.rsplit(".", 1)[0] for key in factors}
-    unknown = sorted(names - set(linears))
-    if unknown:
-        raise ValueError(f"The low-rank delta names maps its base drafter lacks: {', '.join(unknown[:3])}.")
-    with torch.no_grad():
-        for name in names:
-            weight = linears[name].weight
-            delta = factors[f"{name}.B"].to(torch.float32) @ factors[f"{name}.A"].to(torch.float32)
-            weight.copy_((weight.to(torch.float32) + delta.to(weight.device)).to(weight.dtype))
-
-
 def train_feature_head(target: Any, chunks: torch.Tensor, options: TrainOptions,
                        estimate: torch.Tensor | None = None, progress: bool = True) -> tuple[FeatureHead, dict]:
     """:func:`train_head` of kind ``"feature"``."""
     return train_head("feature", target, chunks, options, estimate, progress)
-
-
-# ------------------------------------------------------------------ checkpoints
-def shared_checksum(target: Any, shared_layers: int = 0) -> str:
-    """sha256 of the target tensors a drafter shares: embedding, final norm, output head, and the
-    first ``shared_layers`` decoder layers, each rounded to bfloat16 (so that a checkpoint trained
-    on a GPU in bfloat16 loads onto the same target in float32 on a CPU)."""
-    digest = hashlib.sha256()
-    tensors = [target.model.embed_tokens.weight, target.model.norm.weight, target.lm_head.weight]
-    for layer in target.model.layers[:shared_layers]:
-        tensors.extend(p for _, p in sorted(layer.named_parameters()))
-    for tensor in tensors:  # rounded to bfloat16: the same target loaded in float32 or bfloat16 matches
-        data = tensor.detach().to("cpu", torch.bfloat16).contiguous()
-        digest.update(str(tuple(data.shape)).encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _target_record(target: Any, shared_layers: int = 0) -> dict[str, Any]:
-    config = target.config
-    return {"model_type": config.model_type, "hidden_size": config.hidden_size,
-            "num_hidden_layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
-            "name_or_path": getattr(config, "_name_or_path", ""),
-            "shared_sha256": shared_checksum(target, shared_layers)}
-
-
-def _kind(head: Any) -> str:
-    return "shallow" if isinstance(head, ShallowHead) else "feature"
-
-
-STORAGE = ("int8", "same")
-SCALE = ".int8_scale"
-
-
-def _quantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every matrix as int8 rows with one scale per row (``name`` and ``name.int8_scale``), SPEC.md
-    §11.4: half the bytes of bfloat16; other tensors as they are."""
-    out = {}
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point() and tensor.dim() == 2:
-            wide = tensor.to(torch.float32)
-            scale = wide.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-            out[name] = torch.round(wide / scale).clamp(-127, 127).to(torch.int8)
-            out[name + SCALE] = scale.to(torch.float32)
-        else:
-            out[name] = tensor
-    return out
-
-
-def _dequantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, tensor in tensors.items():
-        if name.endswith(SCALE):
-            continue
-        scale = tensors.get(name + SCALE)
-        out[name] = tensor if scale is None else tensor.to(torch.float32) * scale
-    return out
-
-
-def _file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def save_drafter(head: Any, target: Any, out_dir: str | Path, log: dict | None = None, *,
-                 storage: str = "int8", base: str | Path | None = None) -> Path:
-    """Write ``drafter.safetensors`` (the trainable part only) and ``drafter.json``.
-
-    ``storage="int8"`` keeps matrices as int8 rows with a scale each (SPEC.md §11.4), ``"same"``
-    in the head's dtype. ``base``: the folder of the drafter this head's low-rank deltas were
-    trained over (:func:`add_low_rank`); only the deltas are written, and the checkpoint names its
-    base by a path relative to ``out_dir`` and the base weights' sha256."""
-    from safetensors.torch import save_file
-
-    if storage not in STORAGE:
-        raise ValueError(f"storage must be one of {', '.join(STORAGE)}; got {storage!r}.")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if base is not None:
-        tensors = low_rank_factors(head)
-        if not tensors:
-            raise ValueError("This head has no low-rank deltas to save over a base drafter.")
-        storage = "same"
-    else:
-        tensors = {k: v for k, v in head.state_dict().items() if "parametrizations" not in k}
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(_quantized(tensors) if storage == "int8" else tensors, str(out / "drafter.safetensors"))
-    shared = getattr(head, "shared_layers", 0)
-    record: dict[str, Any] = {"format": FORMAT, "kind": _kind(head), "layers": len(head.layers),
-                              "target": _target_record(target, shared), "storage": storage,
-                              "dtype": str(next(head.parameters()).dtype).removeprefix("torch."),
-                              "bytes": (out / "drafter.safetensors").stat().st_size}
-    if isinstance(head, ShallowHead):
-        record.update(shared_layers=head.shared_layers, head_width=head.fc1.out_features)
-    else:
-        record.update(head.design)
-    if base is not None:
-        base = Path(base)
-        record["base"] = {"path": os.path.relpath(base.resolve(), out.resolve()),
-                          "sha256": _file_sha256(base / "drafter.safetensors")}
-        record["rank"] = int(next(iter(tensors.values())).shape[0])
-    record["training"] = log or {}
-    (out / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
-    return out
-
-
-def _read_meta(folder: Path) -> dict[str, Any]:
-    meta_path = folder / "drafter.json"
-    if not meta_path.is_file():
-        raise ValueError(f"{str(folder)!r} is not a drafter checkpoint (no drafter.json there).")
-    try:
-        return json.loads(meta_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{str(meta_path)!r} is corrupt: {error}") from None
-
-
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return _dequantized(load_file(str(folder / "drafter.safetensors")))
-    except Exception as error:  # noqa: BLE001 - a truncated or foreign file
-        raise ValueError(f"Could not read the drafter weights in {str(folder)!r} (corrupt or truncated?): "
-                         f"{type(error).__name__}: {str(error)[:200]}") from None
-
-
-def load_head(path: str | Path, target: Any, kind: str | None = None) -> Any:
-    """The drafter head saved in folder ``path`` for ``target``, on its device and dtype. A
-    checkpoint of another kind, or made for another target (architecture, sizes or shared
-    weights), is a ValueError. A delta checkpoint loads its base first and adds its deltas."""
-    folder = Path(path)
-    meta = _read_meta(folder)
-    if meta.get("format") != FORMAT or meta.get("kind") not in KINDS or kind not in (None, meta.get("kind")):
-        raise ValueError(f"{str(folder)!r} holds a {meta.get('kind')!r} drafter of format {meta.get('format')!r}; "
-                         f"expected {kind or ' or '.join(KINDS)} of format {FORMAT}.")
-    if "base" in meta:
-        base_folder = (folder / meta["base"]["path"]).resolve()
-        if not (base_folder / "drafter.safetensors").is_file():
-            raise ValueError(f"The drafter in {str(folder)!r} is a delta over {str(base_folder)!r}, which is missing.")
-        if _file_sha256(base_folder / "drafter.safetensors") != meta["base"]["sha256"]:
-            raise ValueError(f"The drafter in {str(folder)!r} was trained over another version of its base "
-                             f"{str(base_folder)!r} (checksum differs).")
-        head = load_head(base_folder, target, meta["kind"])
-        merge_low_rank(head, _read_tensors(folder))
-        return head
-    shared = int(meta.get("shared_layers", 0))
-    mine, theirs = _target_record(target, shared), meta.get("target", {})
-    for key in ("model_type", "hidden_size", "vocab_size", "shared_sha256"):
-        if mine[key] != theirs.get(key):
-            what = "its shared weights differ" if key == "shared_sha256" else f"{key} {theirs.get(key)!r} ≠ {mine[key]!r}"
-            raise ValueError(f"The drafter in {str(folder)!r} was trained for another target "
-                             f"({theirs.get('name_or_path') or 'unnamed'}): {what}.")
-    tensors = _read_tensors(folder)
-    if meta["kind"] == "shallow":
-        head: Any = ShallowHead(target.config, shared, int(meta["layers"]), int(meta["head_width"]))
-    else:
-        vocab = tensors.get("vocab")
-        head = FeatureHead(target.config, int(meta["layers"]), meta.get("width"), meta.get("heads"), vocab)
-    try:
-        head.load_state_dict(tensors)
-    except Exception as error:  # noqa: BLE001 - a truncated or foreign file
-        raise ValueError(f"Could not read the drafter weights in {str(folder)!r} (corrupt or truncated?): "
-                         f"{type(error).__name__}: {str(error)[:200]}") from None
-    parameter = next(target.parameters())
-    return head.to(device=parameter.device, dtype=parameter.dtype).eval()
-
-
-def load_feature_head(path: str | Path, target: Any) -> FeatureHead:
-    """:func:`load_head` of kind ``"feature"``."""
-    return load_head(path, target, "feature")

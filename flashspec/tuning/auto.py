@@ -1,9 +1,9 @@
-"""Calibrated defaults: the dtype and the draft lengths that pay on this machine (issue 23;
-SPEC.md §13, "Choosing the dtype and γ").
+"""Calibrated defaults: the dtype and the draft lengths that pay on this machine (SPEC.md §13,
+"Choosing the dtype and γ").
 
 :func:`calibrated_engine` builds the engine a user gets from ``flashspec generate`` and
-``flashspec demo`` (and from :meth:`SpeculativeEngine.calibrated`): it times what it needs on the
-user's own hardware (once: every measurement is cached on disk, :mod:`flashspec.calibrate`),
+``flashspec demo`` (``flashspec.calibrated_engine``): it times what it needs on the
+user's own hardware (once: every measurement is cached on disk, :mod:`flashspec.tuning.calibrate`),
 chooses the dtype of a target given as a path, measures one decode step of every drafter at each
 γ = 1 … γ_max against a target-only step, keeps the draft lengths that can pay and drops drafters
 that cannot, and returns an engine with ``selector="auto"`` (the target-only arm and the
@@ -20,10 +20,19 @@ from typing import Any
 
 import torch
 
-from .calibrate import (CostCurve, _cache_path, _read_json, _versions, _write_json, device_name,
-                        measure, model_identity)
+from ..checks import check_int
+from .calibrate import (
+    CostCurve,
+    _cache_path,
+    _read_json,
+    _versions,
+    _write_json,
+    device_name,
+    measure,
+    model_identity,
+)
 
-__all__ = ["ALPHA_HIGH", "ALPHA_LOW", "Choice", "calibrated_engine", "choose_dtype", "measure_steps",
+__all__ = ["ALPHA_HIGH", "ALPHA_LOW", "Choice", "calibrate_engine", "calibrated_engine", "choose_dtype", "measure_steps",
            "seed_guard_priors", "speedup_from_steps"]
 
 ALPHA_LOW = 0.6  # an acceptance rate most drafters reach on most text
@@ -161,13 +170,21 @@ def measure_steps(engine: Any, *, context: int = CONTEXT, steps: int = STEPS, us
 
 
 # ----------------------------------------------------------------------------- the engine
-def calibrated_engine(target: Any, drafters: Any = (), *, device: str | torch.device | None = None,
+def calibrated_engine(target: Any, drafters: Any = (), **options: Any) -> Any:
+    """A :class:`~flashspec.SpeculativeEngine` configured from measurements on this machine
+    (SPEC.md §13); what was chosen and why is in its ``choice`` (:class:`Choice`). Options: those
+    of :func:`calibrate_engine`."""
+    engine, choice = calibrate_engine(target, drafters, **options)
+    engine.choice = choice
+    return engine
+
+
+def calibrate_engine(target: Any, drafters: Any = (), *, device: str | torch.device | None = None,
                       dtype: torch.dtype | None = None, max_gamma: int = DEFAULT_MAX_GAMMA,
                       gammas: list[int] | None = None, tokenizer: Any = None,
                       compile: bool = False, use_cache: bool = True, progress: bool = True,
                       **options: Any) -> tuple[Any, Choice]:
-    """A :class:`~flashspec.SpeculativeEngine` configured from measurements on this machine, and
-    the :class:`Choice` behind it (SPEC.md §13):
+    """The engine of :func:`calibrated_engine` and the :class:`Choice` behind it (SPEC.md §13):
 
     * dtype (a ``target`` given as a path, no ``dtype``): on CUDA bfloat16; on a CPU the faster of
       float32 and bfloat16 by the target's forward curve (:func:`choose_dtype`);
@@ -178,13 +195,12 @@ def calibrated_engine(target: Any, drafters: Any = (), *, device: str | torch.de
     * ``selector="auto"``: the kept arms and the target-only arm, behind the never-slower guard.
 
     ``options`` go to the engine (``selector_options``, ``share_selector``, ...)."""
-    from .drafters import ModelDrafter
-    from .engine import SpeculativeEngine
-    from .models import DTYPES, load_model, load_tokenizer
-    from .request import MAX_DRAFT_TOKENS, parse_device
+    from ..decode.request import MAX_DRAFT_TOKENS, parse_device
+    from ..drafters import ModelDrafter
+    from ..engine import SpeculativeEngine
+    from ..models.loading import DTYPES, load_model, load_tokenizer
 
-    if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or not 1 <= max_gamma <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"max_gamma must be an integer from 1 to {MAX_DRAFT_TOKENS}; got {max_gamma!r}.")
+    check_int("max_gamma", max_gamma, 1, MAX_DRAFT_TOKENS)
     device = parse_device(device)  # checked before anything loads
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -257,7 +273,7 @@ def seed_guard_priors(engine: Any, choice: Choice) -> None:
     """Start ``engine``'s never-slower guard from the measured costs instead of its cautious
     priors (SPEC.md §8): each arm's step and each drafter's catch-up on a prompt, in target-only
     steps (the catch-up of the calibration's prompt stands for its width class)."""
-    from .select.guard import bucket
+    from ..select.guard import bucket
 
     width = CONTEXT + 1  # the first proposal feeds the prompt and the first new token
     for a, (d, g) in enumerate(engine.arms):

@@ -2,8 +2,8 @@
 
 :func:`measure` times one cached forward of a model over ``width`` new tokens after a fixed
 context, for each width 1 … ``max_width``, on the model's own device and dtype, with the
-benchmarks' timers (:mod:`flashspec.bench.timing`: a CUDA-graph replay timed by CUDA events for a
-:class:`~flashspec.cache.StaticLM` on CUDA, as the engine runs it; else the best of a few calls on
+benchmarks' timers (:mod:`flashspec.tuning.timing`: a CUDA-graph replay timed by CUDA events for a
+:class:`~flashspec.models.static.StaticLM` on CUDA, as the engine runs it; else the best of a few calls on
 the host clock). The result, a :class:`CostCurve`, is kept on disk (JSON under
 ``cache_dir()/calibration``) per model, device, dtype and library versions, so a second call
 with the same key reads it back instead of timing again.
@@ -29,9 +29,12 @@ from typing import Any
 
 import torch
 
-from .bench import timing
-from .cache import CachedLM, StaticLM, make_lm
-from .models import context_window, eval_mode
+from ..models.cached import CachedLM, make_lm
+from ..models.loading import context_window, eval_mode
+from ..models.static import StaticLM
+from ..paths import cache_dir
+from ..version import __version__
+from . import timing
 
 __all__ = ["DEFAULT_CONTEXT", "CostCurve", "calibration_dir", "device_name", "measure", "model_identity",
            "predict_speedup", "predicted_tokens_per_second"]
@@ -170,15 +173,11 @@ def device_name(device: torch.device) -> str:
 def calibration_dir() -> Path:
     """Where cost curves are cached: ``cache_dir()/calibration`` (``$FLASHSPEC_CACHE`` or
     ``~/.cache/flashspec``)."""
-    from .demo import cache_dir
-
     return cache_dir() / "calibration"
 
 
 def _versions() -> dict[str, str]:
     import transformers
-
-    from . import __version__
 
     return {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
             "flashspec_version": __version__}
@@ -242,7 +241,7 @@ def _write_cached(path: Path, curve: CostCurve) -> None:
 # ----------------------------------------------------------------------------- measuring
 def _forward_cost(lm: StaticLM | CachedLM, width: int, context: int, repeats: int) -> float:
     """Seconds of one forward of ``lm`` over ``width`` new tokens of one row after ``context``
-    cached positions, with :mod:`flashspec.bench.timing` (as ``bench e2e``'s forward costs)."""
+    cached positions, with :mod:`flashspec.tuning.timing` (as ``bench e2e``'s forward costs)."""
     return timing.cached_forward_seconds(lm, 1, width, context, repeats,
                                          generator=torch.Generator().manual_seed(width))
 
@@ -253,7 +252,7 @@ DEFAULT_CONTEXT = 256  # cached positions before the timed tokens (half the wind
 def measure(model: Any, max_width: int, *, context: int | None = None, repeats: int = 5, use_cache: bool = True,
             progress: bool = True, label: str | None = None) -> tuple[CostCurve, Path]:
     """The cost of one forward of ``model`` (a transformers causal LM, or the engine's
-    :class:`~flashspec.cache.StaticLM` / :class:`~flashspec.cache.CachedLM` around one) over each
+    :class:`~flashspec.models.static.StaticLM` / :class:`~flashspec.models.cached.CachedLM` around one) over each
     width 1 … ``max_width``, on its device and dtype, after ``context`` cached positions (default
     :data:`DEFAULT_CONTEXT`, or half the model's context window where that is less), and the
     cache file it is kept in. With ``use_cache`` a curve cached under the same key (model,

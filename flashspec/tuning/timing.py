@@ -149,32 +149,35 @@ def graph_replay_seconds(calls: list[Callable[[], Any]]) -> float:
 
 
 def forward_seconds(lm: Any, batch: int, width: int, context: int, iters: int = 50, layers: int | None = None) -> float:
-    """Median seconds of one forward of a :class:`flashspec.cache.StaticLM` over ``width`` new
+    """Median seconds of one forward of a :class:`flashspec.models.static.StaticLM` over ``width`` new
     tokens of ``batch`` rows after ``context`` cached positions, replayed from a CUDA graph as
     the engine runs it (two untimed runs capture it); CUDA events, ``iters`` rounds of one.
     ``layers``: the first ``layers`` layers only, no head (a shallow drafter's shared part)."""
-    from ..graphs import Graphs
+    from ..models.graphs import Graphs
 
     device = lm.model.device
     lm.reset(batch, context + width + 1)
     tokens = torch.randint(0, lm.model.config.vocab_size, (batch, width), device=device)
     start = torch.full((batch,), context, dtype=torch.long, device=device)
     graphs = Graphs(enabled=True)
-    part = {} if layers is None else {"layers": layers, "head": False}
+
+    def forward() -> torch.Tensor:
+        return lm.forward(tokens, start) if layers is None else lm.layer_states(tokens, start, layers)
+
     for _ in range(2):
-        graphs.run("forward", lambda: lm.forward(tokens, start, **part))
-    return event_seconds(lambda _: graphs.run("forward", lambda: lm.forward(tokens, start, **part)), 1, iters)
+        graphs.run("forward", forward)
+    return event_seconds(lambda _: graphs.run("forward", forward), 1, iters)
 
 
 def cached_forward_seconds(lm: Any, batch: int, width: int, context: int, repeats: int = 5,
                            capacity: int | None = None, generator: torch.Generator | None = None) -> float:
-    """Seconds of one forward of ``lm`` (a :class:`flashspec.cache.StaticLM` or ``CachedLM``) over
+    """Seconds of one forward of ``lm`` (a :class:`flashspec.models.static.StaticLM` or ``CachedLM``) over
     ``width`` new random tokens of ``batch`` rows after ``context`` cached positions. A StaticLM
     on CUDA: :func:`forward_seconds` (a graph replay: timed eagerly, a batch-1 forward measures
     Python's kernel launches). Else: the cache reset to ``capacity`` positions (default
     ``context + width + 1``), ``context`` random tokens prefilled, then the best of ``repeats``
     host-clock calls. Either way ``lm``'s cache is reset and overwritten."""
-    from ..cache import StaticLM
+    from ..models.static import StaticLM
 
     device = lm.model.device
     if device.type == "cuda" and isinstance(lm, StaticLM):

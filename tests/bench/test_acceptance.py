@@ -12,7 +12,7 @@ from chat_tokenizer import ChatCharTokenizer, save_tiny_chat_pair
 from tiny_models import noisy_copy, tiny_model, write_tiny_corpus
 
 from flashspec.bench import acceptance
-from flashspec.bench.corpus import DOMAINS
+from flashspec.data.corpus import DOMAINS
 from flashspec.cli import main
 
 GAMMAS = [2, 3]

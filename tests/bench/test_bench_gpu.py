@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flashspec.bench import gpu as bench_gpu
-from flashspec.cache import StaticLM
+from flashspec.models.static import StaticLM
 
 
 def _lm(dtype: torch.dtype) -> StaticLM:

@@ -1,6 +1,6 @@
 """The verify-kernel benchmark's own logic (flashspec.bench.kernels), on the CPU: how the table
 reports a mismatch or a missing graph timing (how its eager timings are taken:
-tests/bench/test_timing.py). The timings themselves need a GPU (benchmarks/gpu_h200.sh)."""
+tests/bench/test_timing.py). The timings themselves need a GPU (benchmarks/kernels.sh)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import lzma
 import pytest
 
 from flashspec import SpeculativeEngine
-from flashspec.bench.corpus import DOMAINS, HELDOUT_FRACTION, heldout_text
+from flashspec.data.corpus import DOMAINS, HELDOUT_FRACTION, heldout_text
 from flashspec.bench.select import run_selection
 from tiny_models import CharTokenizer, noisy_copy, tiny_model, write_tiny_corpus
 
@@ -50,7 +50,7 @@ def test_every_system_decodes_every_prompt_and_warm_starts_add_copies(corpus):
 def test_store_drafters_index_training_text_only(corpus):
     """``store:DOMAIN`` → a DatastoreDrafter over the end of that domain's first 95 % (never the
     held-out prompts' text); other specs pass through; bad domains and sizes are clear errors."""
-    from flashspec.bench.corpus import store_drafters, training_text
+    from flashspec.data.corpus import store_drafters, training_text
 
     whole = lzma.decompress((corpus / DOMAINS["code"]).read_bytes()).decode()
     held = heldout_text(corpus, "code")

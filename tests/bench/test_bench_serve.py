@@ -51,12 +51,12 @@ def test_the_clients_streaming_path_is_warmed_without_any_server(monkeypatch):
 
 
 def test_bench_serve_is_a_command_and_checks_options():
-    from flashspec.bench.cli import bench_serve
+    from flashspec.cli.bench import bench_serve
     from flashspec.cli import _parser
 
     args = _parser().parse_args(["bench", "serve", "--target", "x.gguf", "--clients", "4", "--burst", "8",
                                  "--max-queue", "2"])
-    assert args.run is bench_serve and args.clients == 4 and args.out == "benchmarks/results/serve_cpu"
+    assert args.run is bench_serve and args.clients == 4 and args.out == "bench-results/serve"
     with pytest.raises(ValueError, match="burst"):  # checked before any model is loaded
         bench_serve(_parser().parse_args(["bench", "serve", "--target", "missing", "--burst", "8"]))
     with pytest.raises(ValueError, match="prompt-lengths"):

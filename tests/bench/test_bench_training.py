@@ -8,7 +8,8 @@ from tiny_models import tiny_model
 
 from flashspec.bench.training import bench_training, read_record
 from flashspec.cli import main
-from flashspec.train import TrainOptions, save_drafter, train_head
+from flashspec.drafters.checkpoint import save_drafter
+from flashspec.training.train import TrainOptions, train_head
 
 
 @pytest.fixture(scope="module")

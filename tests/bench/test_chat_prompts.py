@@ -1,4 +1,4 @@
-"""Chat-formatted benchmark requests (flashspec.bench.corpus.chat_requests), ``bench e2e --style
+"""Chat-formatted benchmark requests (flashspec.data.corpus.chat_requests), ``bench e2e --style
 chat`` and ``bench e2e`` with drafters made from the target (``early-exit:N``, ...)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from chat_tokenizer import ChatCharTokenizer, save_tiny_chat_pair
 from tiny_models import CharTokenizer, tiny_model, write_tiny_corpus
 
 from flashspec.bench import e2e as bench_e2e
-from flashspec.bench.corpus import (
+from flashspec.data.corpus import (
     CHAT_INSTRUCTIONS,
     DOMAINS,
     chat_requests,

@@ -1,12 +1,12 @@
-"""The benchmarks' shared timers (flashspec.bench.timing), on the CPU: how alternating rounds
+"""The benchmarks' shared timers (flashspec.tuning.timing), on the CPU: how alternating rounds
 of several candidates are taken. CUDA events and graph replays themselves need a GPU
-(benchmarks/gpu_h200.sh)."""
+(benchmarks/kernels.sh)."""
 
 from __future__ import annotations
 
 import torch
 
-from flashspec.bench import timing
+from flashspec.tuning import timing
 
 
 def test_eager_rounds_of_the_two_backends_alternate(monkeypatch):

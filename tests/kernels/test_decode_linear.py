@@ -222,7 +222,7 @@ def _tiny(dtype, arch="qwen2"):
 
 
 def _decode_logits(model, maps, width, wide=None):
-    from flashspec.cache import StaticLM
+    from flashspec.models.static import StaticLM
 
     lm = StaticLM(model)
     lm.decode_maps = maps
@@ -244,7 +244,7 @@ ALL_MAPS = {"qkv", "o", "gate_up", "down"}
     ("qwen2", torch.float16, ALL_MAPS), ("llama", torch.float16, {"o"}),
 ])
 def test_static_lm_fused_matches_unfused(arch, dtype, maps):
-    from flashspec.cache import StaticLM
+    from flashspec.models.static import StaticLM
 
     model = _tiny(dtype, arch)
     lm = StaticLM(model)
@@ -258,7 +258,7 @@ def test_static_lm_fused_matches_unfused(arch, dtype, maps):
 def test_static_lm_one_row_and_wide_maps(monkeypatch):
     """Forwards of one token row use decode_maps, wider ones decode_maps_wide: a bad map set
     shows up only in the forwards that use it."""
-    import flashspec.cache as cache
+    import flashspec.models.static as cache
 
     calls = []
     real = cache.decode_linear
@@ -285,7 +285,7 @@ def test_static_lm_one_row_and_wide_maps(monkeypatch):
 def test_static_lm_decode_maps_are_checked():
     """float32 models keep cuBLAS; maps that fold in a norm need the norm decode_linear computes;
     unknown names are refused — each with a ValueError that says why."""
-    from flashspec.cache import StaticLM
+    from flashspec.models.static import StaticLM
 
     lm = StaticLM(_tiny(torch.float32))
     assert lm.decode_maps == lm.decode_maps_wide == frozenset()

@@ -57,7 +57,7 @@ def test_environment_variable_refuses_other_values():
 
 def _forward_logits(lm, width: int) -> list[torch.Tensor]:
     """Logits of one forward after a 20-token prefill: eagerly, then twice from a CUDA graph."""
-    from flashspec.graphs import Graphs
+    from flashspec.models.graphs import Graphs
 
     lm.reset(1, 64)
     gen = torch.Generator().manual_seed(width)
@@ -74,7 +74,7 @@ def _forward_logits(lm, width: int) -> list[torch.Tensor]:
 def test_forward_bit_identical_with_and_without_pdl(monkeypatch, width, bit_exact):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from flashspec.cache import StaticLM
+    from flashspec.models.static import StaticLM
 
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("this GPU or Triton has no programmatic dependent launch")

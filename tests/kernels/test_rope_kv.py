@@ -187,8 +187,8 @@ def test_static_lm_decode_forwards_equal_the_unfused_rotation(arch, compile, mon
     decode widths 1 and 5 after a prefill."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    import flashspec.cache as cache
-    from flashspec.cache import StaticLM
+    import flashspec.models.static as cache
+    from flashspec.models.static import StaticLM
 
     torch.manual_seed(0)
     shape = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -238,7 +238,7 @@ def test_static_lm_imports_and_runs_without_triton():
         "import torch\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "from flashspec.kernels import rope_kv\n"
-        "from flashspec.cache import StaticLM\n"
+        "from flashspec.models.static import StaticLM\n"
         "assert rope_kv.triton is None and not rope_kv.available(torch.zeros(1))\n"
         "try:\n"
         "    rope_kv.rope_write_kv(*[torch.zeros(1, 1, 1, 2)] * 3, torch.ones(1, 1, 2), torch.zeros(1, 1, 2),\n"

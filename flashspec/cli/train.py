@@ -1,0 +1,183 @@
+"""``flashspec train-drafter`` and ``flashspec distill``: train a drafter made from the target, and
+make training text from the target's own answers (SPEC.md §11)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ..models.loading import DTYPES
+from .options import add_device, add_progress, add_target, add_tokenizer
+
+__all__ = ["add_parsers"]
+
+TRAIN_EXAMPLE = """example:
+  flashspec train-drafter --target ~/.cache/flashspec/qwen2.5-coder-1.5b-instruct.gguf \\
+      --data code.txt.xz --data prose.txt.xz --out drafters/general --steps 2000
+  flashspec generate --target ... --draft feature:drafters/general --prompt "..." --compare
+
+It writes OUT/drafter.safetensors (the drafter's own weights, int8 rows by default) and
+OUT/drafter.json (its kind, sizes, the target it belongs to and its training record: losses,
+acceptance estimates, tokens, seconds). Use it as --draft feature:OUT (or shallow:OUT)."""
+
+
+def add_parsers(sub: Any) -> None:
+    """Add ``train-drafter`` and ``distill`` to the ``flashspec`` parser's sub-parsers."""
+    train = sub.add_parser("train-drafter", help="train a drafter made from the target (SPEC.md §11)",
+                           description="Train a drafter made from the target on text files: the target runs "
+                                       "frozen and teaches the drafter its own next-token law.",
+                           epilog=TRAIN_EXAMPLE, formatter_class=_Formatter)
+    add_target(train)
+    train.add_argument("--kind", default="feature", choices=["feature", "shallow"],
+                       help="feature: fc[target feature; next embedding] -> decoder layers -> the target's head; "
+                            "shallow: the target's first layers -> adapter layers -> MLP -> the target's head")
+    train.add_argument("--data", action="append", required=True,
+                       help="a text file (.txt or .xz; repeatable): its first 90 %% trains, the next 5 %% "
+                            "estimates acceptance, the last 5 %% is never read")
+    train.add_argument("--out", required=True, help="folder for drafter.safetensors and drafter.json")
+    add_tokenizer(train)
+    train.add_argument("--layers", type=int, default=None,
+                       help="decoder layers of the drafter's own part (default: 1 feature, 2 shallow adapters)")
+    train.add_argument("--shared-layers", type=int, default=None,
+                       help="shallow: the target's layers it shares (default: a quarter of them)")
+    train.add_argument("--head-width", type=int, default=None, help="shallow: the MLP's width (default: hidden size)")
+    train.add_argument("--width", type=int, default=None, help="feature: its layer's MLP width (default: the target's)")
+    train.add_argument("--heads", type=int, default=None, help="feature: its layer's query heads (default: the target's)")
+    train.add_argument("--draft-vocab", type=int, default=None,
+                       help="feature: restrict its head to the N most frequent tokens of the data (default: all)")
+    train.add_argument("--base", default=None,
+                       help="a trained drafter folder to start from (e.g. a general one, for a per-domain drafter)")
+    train.add_argument("--rank", type=int, default=None,
+                       help="with --base: train and save only a low-rank delta of this rank over it")
+    train.add_argument("--storage", default="int8", choices=["int8", "same"],
+                       help="int8 (default): matrices as int8 rows with a scale each; same: the training dtype")
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--batch", type=int, default=8, help="sequences per step")
+    train.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    train.add_argument("--lr-layers", type=float, default=5e-5, help="the decoder layers' peak learning rate")
+    train.add_argument("--lr-head", type=float, default=1e-4, help="the input map's peak learning rate")
+    train.add_argument("--hard-labels", action="store_true", help="cross-entropy on the next token, not the target's law")
+    train.add_argument("--estimate-every", type=int, default=50, help="steps between acceptance estimates")
+    train.add_argument("--seed", type=int, default=0, help="sampling of the training sequences")
+    train.add_argument("--unroll", type=int, default=3,
+                       help="feature: passes per step, each fed the previous pass's predicted features (1: none)")
+    train.add_argument("--feature-weight", type=float, default=1.0,
+                       help="feature: weight of a smooth-L1 loss between predicted and true features (EAGLE-1)")
+    train.add_argument("--max-minutes", type=float, default=None, help="stop training after this long (default: no limit)")
+    add_device(train)
+    train.set_defaults(run=train_drafter)
+
+    p = sub.add_parser("distill", help="self-distilled training text: the target's answers to "
+                                       "prompts from the corpus's training part", formatter_class=_Formatter)
+    add_target(p)
+    add_tokenizer(p)
+    p.add_argument("--corpus", default="../shared/corpus", help="folder with the three-domain corpus")
+    p.add_argument("--domain", default="all", choices=["code", "prose", "chat", "all"],
+                   help="all: --count documents from each domain")
+    p.add_argument("--count", type=int, default=256, help="documents (per domain with --domain all)")
+    p.add_argument("--style", default="chat", choices=["chat", "text"],
+                   help="chat: chat-formatted requests (needs a chat template); text: continuation prompts")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="corpus tokens per prompt: the chat snippet (default 192) or the text prompt (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=64, help="prompts decoded together")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
+    p.add_argument("--seed", type=int, default=0)
+    add_device(p)
+    p.add_argument("--out", required=True, help="the .txt file to write (documents separated by blank lines)")
+    add_progress(p)
+    p.set_defaults(run=distill_command)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Help that shows each option's default (where it has one and its help does not say it)
+    and keeps the example's lines."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: {default})" if text else f"default: {default}"
+
+
+def train_drafter(args: argparse.Namespace) -> None:
+    """Train a drafter made from ``--target`` on ``--data`` and save it to ``--out``."""
+    from ..drafters.checkpoint import load_head, save_drafter
+    from ..engine import SpeculativeEngine
+    from ..training.data import read_text, token_chunks
+    from ..training.train import (
+        TrainOptions,
+        continued_record,
+        estimate_acceptance,
+        train_head,
+    )
+
+    layers = args.layers if args.layers is not None else (1 if args.kind == "feature" else 2)
+    options = TrainOptions(layers=layers, shared_layers=args.shared_layers, head_width=args.head_width,
+                           width=args.width, heads=args.heads, draft_vocab=args.draft_vocab, rank=args.rank,
+                           unroll=args.unroll, feature_weight=args.feature_weight,
+                           steps=args.steps, batch=args.batch, seq_len=args.seq_len,
+                           lr_layers=args.lr_layers, lr_head=args.lr_head, hard_labels=args.hard_labels,
+                           seed=args.seed, estimate_every=args.estimate_every,
+                           max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)  # checked first
+    if args.rank is not None and args.base is None:
+        raise ValueError("--rank trains a low-rank delta over a base drafter: give --base DIR too.")
+    train_texts = [read_text(path, "train") for path in args.data]
+    estimate_texts = [read_text(path, "estimate") for path in args.data]
+    engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device,
+                               dtype=DTYPES[args.dtype] if args.dtype else None)
+    if engine.tokenizer is None:
+        raise ValueError("Training reads text: give --tokenizer (none could be loaded with the target).")
+    base = load_head(args.base, engine.target, args.kind) if args.base else None
+    from ..paths import cache_dir
+
+    tokens = cache_dir() / "tokens"  # each data file tokenized once, for every drafter trained on it
+    chunks = token_chunks(train_texts, engine.tokenizer, options.seq_len, tokens)
+    estimate = token_chunks(estimate_texts, engine.tokenizer, options.seq_len, tokens)[: 4 * options.batch]
+    print(f"training on {chunks.numel():,} tokens ({len(chunks)} sequences of {options.seq_len}); "
+          f"acceptance estimated on {estimate.numel():,}")
+    eos = engine.target.generation_config.eos_token_id
+    always = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    head, log = train_head(args.kind, engine.target, chunks, options, estimate=estimate, base=base, always=always)
+    delta = args.rank is not None
+    if args.base and not delta:  # the whole drafter trained further: a new full checkpoint, its history kept
+        log["before"] = continued_record(args.base)
+    out = save_drafter(head, engine.target, args.out, log, storage=args.storage, base=args.base if delta else None)
+    saved = estimate_acceptance(load_head(out, engine.target, args.kind), engine.target, estimate, options.batch)
+    record = json.loads((out / "drafter.json").read_text())
+    record["training"]["alpha1_saved"] = saved[0]  # the checkpoint as saved (int8 rows, merged deltas)
+    record["training"]["alpha_saved"] = saved
+    (out / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
+    size = (out / "drafter.safetensors").stat().st_size
+    last = "/".join(f"{a:.3f}" for a in log["estimates"][-1]["alpha"]) if log["estimates"] else "?"
+    print(f"saved {out} ({size / 1e6:.1f} MB) after {log['seconds']:.0f} s, {log['tokens']:,} tokens; "
+          f"final loss {log['loss'][-1]:.3f}, α by draft depth {last} (as saved: {'/'.join(f'{a:.3f}' for a in saved)}); "
+          f"use it as --draft {args.kind}:{out}")
+
+
+def distill_command(args: argparse.Namespace) -> None:
+    """``flashspec distill``: check the options, load the target, distill, write ``--out``."""
+    from ..data.corpus import DOMAINS
+    from ..engine import SpeculativeEngine
+    from ..training.distill import check_options, distill, write_distilled
+
+    check_options(args.count, args.max_new_tokens, args.batch, args.temperature, args.style)
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        raise ValueError(f"--prompt-tokens must be >= 1; got {args.prompt_tokens}.")
+    if Path(args.out).suffix != ".txt":
+        raise ValueError(f"--out must be a .txt file; got {args.out!r}.")
+    domains = list(DOMAINS) if args.domain == "all" else [args.domain]
+    engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device,
+                               dtype=DTYPES[args.dtype] if args.dtype else None)
+    if engine.tokenizer is None:
+        raise ValueError("Distilling reads text: give --tokenizer (none could be loaded with the target).")
+    docs: list[str] = []
+    for domain in domains:
+        docs += distill(engine.target, engine.tokenizer, args.corpus, domain, args.count, style=args.style,
+                        max_new_tokens=args.max_new_tokens, batch=args.batch, temperature=args.temperature,
+                        seed=args.seed, progress=not args.no_progress, prompt_tokens=args.prompt_tokens)
+    path = write_distilled(docs, args.out)
+    print(f"wrote {len(docs)} documents ({sum(map(len, docs)):,} characters) to {path}")
