@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from .checks import check_flag
+from .checks import check_flag, check_int
 from .decode.commit import commit_step, stage_drafts
 from .decode.loop import decode
-from .decode.request import Request, parse_engine_options, parse_request
+from .decode.request import MAX_TOKENS_WITHOUT_WINDOW, Request, parse_engine_options, parse_request
+from .decode.warmup import warm_up
 from .decode.workspace import Plan, Workspace, workspace_shape
 from .drafters.base import Drafter, ReadsFeatures
 from .drafters.feature import FeatureDrafter
@@ -30,11 +31,12 @@ from .drafters.shallow import ShallowDrafter
 from .drafters.specs import make_drafter
 from .models.cached import make_lm
 from .models.graphs import Graphs
-from .models.loading import check_causal_lm, eval_mode, load_model, load_tokenizer
+from .models.loading import context_window, eval_mode
 from .models.parallel import TensorParallel, tensor_parallel_of
 from .models.static import StaticLM
+from .models.target import load_target
 from .select import Selection, Selector
-from .select.guard import DEFAULT_SLACK, Guard, check_slack
+from .select.guard import DEFAULT_SLACK, CostMemory, Guard, check_slack
 from .stats import DrafterStats, GenerationOutput, GenerationStats
 
 __all__ = ["SpeculativeEngine", "GenerationOutput", "GenerationStats", "Selection"]
@@ -96,6 +98,17 @@ class SpeculativeEngine:
             bits on a CUDA GPU with Triton; elsewhere ``ValueError`` says why. Off by default: its one-token
             forwards are slower (target-only decoding at 0.82–0.93× of the default's tokens/s on an
             H100, BENCHMARKS.md, "Exactness").
+        max_length: prompt + new tokens of one row that the buffers hold. Where shapes are
+            compiled or captured (CUDA graphs, ``compile=True``) they are sized to it once, so no
+            request of another length compiles (SPEC.md §7, "Warm shapes"; a longer request grows
+            them, once); default: the model's context window, at most 4096. Elsewhere (a CPU
+            without ``compile``) the buffers follow each request and it is not used.
+        warmup: compile and capture every arm's shapes now (greedy and sampled, alone and after
+            gaps), with a progress bar, so that no request pays for it (``engine.warmup_seconds``
+            says what it took); default: where steps replay as CUDA graphs (a Llama, Qwen2, Qwen3
+            or Mistral target on a CUDA GPU).
+        warmup_batch_sizes: the numbers of prompts per call to warm up (default ``(1,)``); where
+            shapes are fixed a call of ``B`` prompts runs over ``2^⌈log₂ B⌉`` rows.
     """
 
     def __init__(
@@ -115,15 +128,24 @@ class SpeculativeEngine:
         compile: bool = False,
         reuse_shallow: bool = False,
         bit_exact: bool = False,
+        max_length: int | None = None,
+        warmup: bool | None = None,
+        warmup_batch_sizes: Sequence[int] = (1,),
     ) -> None:
         check_flag("reuse_shallow", reuse_shallow)
         check_flag("bit_exact", bit_exact)
+        if warmup is not None:
+            check_flag("warmup", warmup)
+        if not isinstance(warmup_batch_sizes, (list, tuple)) or not warmup_batch_sizes:
+            raise ValueError(f"warmup_batch_sizes must be a non-empty list of batch sizes; got {warmup_batch_sizes!r}.")
+        for rows in warmup_batch_sizes:
+            check_int("warmup_batch_sizes", rows, 1, 1024)
         self.reuse_shallow = reuse_shallow
         options = parse_engine_options(
             drafters=drafters, gammas=gammas, selector_options=selector_options, share_selector=share_selector,
             tokenizer=tokenizer, device=device, dtype=dtype, compile=compile)
         self.device, self.compile = options.device, options.compile
-        self.target, self.tokenizer = self._load_target(target, tokenizer, options.dtype)
+        self.target, self.tokenizer, self._no_tokenizer = load_target(target, tokenizer, self.device, options.dtype)
         # Tensor parallelism (flashspec.models.parallel, SPEC.md §9): every rank runs this same loop;
         # the few places that must agree across ranks check self._tp.
         self._tp = tensor_parallel_of(self.target)
@@ -153,12 +175,10 @@ class SpeculativeEngine:
             (d, g) for d in range(len(self.drafters)) for g in (gammas if gammas is not None else [None])
         ]
         self.slack = self._target_only_arm(selector, target_only, slack, options.selector_options)
-        # What each arm's step cost, in target-only steps, when a guard last measured it: the next
-        # request's guard starts from these instead of its cautious prior (SPEC.md §8).
-        self.arm_costs: dict[int, float] = {}
-        # And what a drafter's catch-up cost beyond a steady step, per (drafter, width class), in
-        # target-only steps (the first proposal of a request feeds the prompt; SPEC.md §8).
-        self.catch_up_costs: dict[tuple[int, int], float] = {}
+        # What each arm's step and each drafter's catch-up cost, in target-only steps, as the
+        # guards of recent requests measured them: the next request's guard starts from these
+        # instead of its cautious priors (SPEC.md §8, "What carries over").
+        self.costs = CostMemory()
         self.share_selector = options.share_selector
         self.selection = self.new_selection(selector, **options.selector_options)
         static_on_gpu = isinstance(self._target_lm, StaticLM) and self.target.device.type == "cuda"
@@ -177,6 +197,15 @@ class SpeculativeEngine:
         self.queue_ahead = self.device.type == "cuda"
         # One generate at a time: calls share the workspace, caches and graphs (SPEC.md §5).
         self._generating = threading.Lock()
+        # Fixed shapes where they are compiled or captured (SPEC.md §7, "Warm shapes").
+        self.fixed_shapes = static_on_gpu or (self.compile and isinstance(self._target_lm, StaticLM))
+        window = context_window(self.target.config) or MAX_TOKENS_WITHOUT_WINDOW
+        if max_length is None:
+            max_length = min(window, 4096) if self.fixed_shapes else 2
+        self.max_length = check_int("max_length", max_length, 2, window, upto=f"the context window ({window})")
+        self.warmup_seconds = 0.0
+        if warmup if warmup is not None else static_on_gpu:
+            self.warmup_seconds = warm_up(self, tuple(warmup_batch_sizes))
 
     def _target_only_arm(self, selector: Any, target_only: Any, slack: Any, selector_options: dict[str, Any]
                          ) -> float | None:
@@ -210,6 +239,16 @@ class SpeculativeEngine:
         return isinstance(self._target_lm, StaticLM) and self._target_lm.bit_exact
 
     @property
+    def arm_costs(self) -> Mapping[int, float]:
+        """Per arm, its steady step cost in target-only steps carried to the next request's guard."""
+        return self.costs.arm_costs
+
+    @property
+    def catch_up_costs(self) -> Mapping[tuple[int, int], float]:
+        """Per ``(drafter, width class)``, its catch-up cost carried to the next request's guard."""
+        return self.costs.catch_up_costs
+
+    @property
     def target_lm(self) -> Any:
         """The target behind FlashSpec's cache (:class:`~flashspec.models.static.StaticLM` or
         :class:`~flashspec.models.cached.CachedLM`), which drafters made from the target share."""
@@ -224,28 +263,6 @@ class SpeculativeEngine:
     def target_only_arm(self) -> int | None:
         """The index of the target-only arm, or None when the engine has none."""
         return next((a for a, (d, _) in enumerate(self.arms) if d is None), None)
-
-    def _load_target(self, target: Any, tokenizer: Any, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
-        """The target model (loaded when given as a path) and its tokenizer, if any can be had."""
-        self._no_tokenizer = "pass tokenizer= to SpeculativeEngine"  # why string prompts cannot work
-        if isinstance(target, (str, bytes)) or hasattr(target, "__fspath__"):
-            spec = target.decode() if isinstance(target, bytes) else str(target)
-            target = load_model(spec, self.device, dtype)
-            if tokenizer is None:  # token-id prompts need none: a folder without one is still a target
-                try:
-                    tokenizer = load_tokenizer(spec)
-                except ValueError as error:
-                    self._no_tokenizer = (f"none could be loaded from {spec!r} ({error}); "
-                                          "pass tokenizer=... to SpeculativeEngine")
-        if not isinstance(target, PreTrainedModel):
-            raise ValueError("target must be a transformers causal LM or a path / hub id / .gguf file.")
-        check_causal_lm(target, "target", known_causal=StaticLM.supports(target))
-        if isinstance(tokenizer, str):
-            try:
-                tokenizer = load_tokenizer(tokenizer)
-            except ValueError as error:
-                raise ValueError(f"Cannot use {tokenizer!r} as the tokenizer: {error}") from None
-        return target, tokenizer  # (its training mode is switched only during a call: eval_mode)
 
     # ------------------------------------------------------------------ learning state
     def arm_label(self, arm: int, num_draft_tokens: int | None = None) -> str:
@@ -344,8 +361,7 @@ class SpeculativeEngine:
                          num_draft_tokens=request.num_draft_tokens, num_eos=len(request.eos), context=request.context)
         sequences = decode(plan, request, stats, progress=progress)
         if plan.guard is not None:
-            self.arm_costs.update(plan.guard.ratios())
-            self.catch_up_costs.update(plan.guard.catch_up_ratios())
+            self.costs.learn(plan.guard)
         return self._output(sequences, stats)
 
     # ------------------------------------------------------------------ continuous batching
@@ -398,6 +414,9 @@ class SpeculativeEngine:
         Call it while holding :meth:`session`."""
         gammas = self.arm_gammas(num_draft_tokens)
         gamma = max(gammas, default=num_draft_tokens)
+        if self.fixed_shapes and not running_batch:
+            rows = 1 << (rows - 1).bit_length()  # a power of two: few distinct shapes
+            self.max_length = length = max(self.max_length, length)  # a longer request grows them, once
         shape = workspace_shape(rows, length, gamma, num_eos, self.target.config.hidden_size, self._feature_layers)
         if running_batch:
             if self._tp is not None:

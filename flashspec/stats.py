@@ -26,6 +26,7 @@ class StepRecord:
     rows: int  # rows still generating
     committed: int  # tokens committed, summed over rows
     seconds: float  # host clock on the CPU, CUDA events on a GPU
+    cold: bool = False  # it compiled code or captured a CUDA graph: a one-off cost (SPEC.md §8)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class GenerationStats:
     per_drafter: dict[str, DrafterStats] = field(default_factory=dict)
     per_arm: dict[str, DrafterStats] = field(default_factory=dict)  # "drafter@γ"
     selector_seconds: float = 0.0  # host time in select() and update() (and the guard's admit())
+    cold_steps: int = 0  # steps that compiled code or captured a CUDA graph (none once the engine is warm)
     guard_refused: int = 0  # steps the never-slower guard ran target-only instead of a chosen (or choosable) arm (SPEC §8)
     step_log: list[StepRecord] = field(default_factory=list)  # one per decode step, in order
 
@@ -83,6 +85,7 @@ class GenerationStats:
             "per_arm": {k: vars(v) for k, v in self.per_arm.items()},
             "selector_seconds": self.selector_seconds,
             "guard_refused": self.guard_refused,
+            "cold_steps": self.cold_steps,
         }
 
 

@@ -28,7 +28,10 @@ def _fixed_selector_unless_marked(request: pytest.FixtureRequest, monkeypatch: p
     ``"auto"`` the never-slower guard may run a slow test drafter rarely or never (SPEC.md §8),
     and those tests would stop testing it. Tests of the default configuration carry the
     ``default_configuration`` marker (tests/test_guard.py, tests/test_serve.py, ...)."""
-    if request.node.get_closest_marker("default_configuration") is None:
-        from flashspec.engine import SpeculativeEngine
+    from flashspec.engine import SpeculativeEngine
 
+    if request.node.get_closest_marker("default_configuration") is None:
         monkeypatch.setitem(SpeculativeEngine.__init__.__kwdefaults__, "selector", "fixed")
+    # Tests build engines by the hundred and check what a request does on its own; the warm-up
+    # at construction (SPEC.md §7, "Warm shapes") is tested where it is asked for (warmup=True).
+    monkeypatch.setitem(SpeculativeEngine.__init__.__kwdefaults__, "warmup", False)

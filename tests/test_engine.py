@@ -303,3 +303,39 @@ def test_captures_after_the_first_skip_torch_s_gc_collect_and_empty_cache(monkey
     gc.collect()
     torch.cuda.empty_cache()
     assert calls == ["gc", "empty", "gc", "empty"]
+
+
+# ----------------------------------------------------------------------------- warm shapes (SPEC.md §7)
+@pytest.mark.default_configuration
+def test_a_warm_engine_compiles_nothing_inside_requests():
+    """With compile=True the engine's shapes are fixed and warmed at construction: requests of
+    other prompt lengths, output lengths, batch sizes (within the warmed ones) and sampling
+    parameters compile nothing and take no cold step; a batch size never warmed is reported as
+    cold steps, the one-off cost it is."""
+    from flashspec.models.graphs import compile_events
+
+    engine = SpeculativeEngine(llama(), ["ngram"], compile=True, warmup=True, warmup_batch_sizes=(1, 2), max_length=128)
+    assert engine.fixed_shapes and engine.warmup_seconds > 0 and engine.arm_costs  # measured while warming
+    before = compile_events()
+    for length, new, rows, sampling in [(5, 10, 1, {}), (37, 23, 2, {}), (60, 40, 1, {"do_sample": True,
+                                        "temperature": 0.5, "top_k": 5}), (3, 50, 2, {}), (60, 60, 1, {})]:
+        out = engine.generate([[t % 40 for t in range(1, length + 1)]] * rows, max_new_tokens=new, eos_token_id=[],
+                              **sampling)
+        assert out.stats.cold_steps == 0 and [len(s) for s in out.sequences] == [new] * rows
+    assert compile_events() == before
+    cold = engine.generate([[1, 2, 3]] * 3, max_new_tokens=8, eos_token_id=[])  # 3 rows run as 4: never warmed
+    assert cold.stats.cold_steps > 0 and len(cold.sequences) == 3
+
+
+def test_padded_rows_change_no_output():
+    """Where shapes are fixed a call of B prompts runs over 2^⌈log₂ B⌉ rows; the extra rows are
+    inactive from the start, so greedy output (float32) equals the unpadded engine's."""
+    target, drafter = llama(), llama(seed=3)
+    prompts = [list(range(1, 9)), [4, 5, 6], list(range(20, 31))]
+    plain = SpeculativeEngine(target, [drafter])
+    padded = SpeculativeEngine(target, [drafter], max_length=64)
+    padded.fixed_shapes = True  # as with CUDA graphs or compile=True, without compiling here
+    out = padded.generate(prompts, max_new_tokens=12, eos_token_id=[])
+    assert padded._buffers.shape[:2] == (4, 256)  # padded rows; the capacity of max_length
+    assert out.sequences == plain.generate(prompts, max_new_tokens=12, eos_token_id=[]).sequences
+    assert out.stats.row_steps <= 3 * out.stats.steps  # padded rows never count as active

@@ -211,7 +211,7 @@ def test_capturing_every_window_width_first_changes_no_draft(target, trained, sh
     draft: the same tokens and the same acceptance at every step as without them, greedy and
     sampled (for the model drafter, whose windows with graphs pass the rows' ends, against
     the same drafter without graphs, whose windows stop at the bound)."""
-    from flashspec.bench.e2e import ScriptedSelector
+    from flashspec.select.fixed import ScriptedSelector
 
     spec = {"feature": f"feature:{trained[0]}", "shallow": f"shallow:{shallow[0]}",
             "model": tiny_model("llama", seed=7, vocab_size=64)}[kind]
@@ -718,7 +718,7 @@ def test_a_gap_of_drafting_steps_re_feeds_what_they_committed_not_their_draft_le
     the positions those steps committed (read at polls; k + 1 for a step no poll has read yet),
     never fewer — not γ + 1 per step, which on the H200 pushed a window past the compiled widths
     into an eager feed (+7 % a step on an H200). Greedy output stays the target's."""
-    from flashspec.bench.e2e import ScriptedSelector
+    from flashspec.select.fixed import ScriptedSelector
 
     prompt = [[(5 * j + 3) % 64 for j in range(12)]]
     engine = SpeculativeEngine(target, [f"feature:{trained[0]}", "ngram"], gammas=[4], target_only=True,

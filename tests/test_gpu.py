@@ -658,3 +658,24 @@ def test_bit_exact_sampling_follows_the_exact_law_of_its_logits_on_cuda():
             assert 0.0 < out.stats.acceptance_rate < 1.0, drafter  # both the accept and the reject paths ran
         del engine, made, out
         torch.cuda.empty_cache()
+
+
+@pytest.mark.default_configuration
+@pytest.mark.parametrize("drafter", ["model", "feature"])
+def test_requests_of_new_lengths_and_batch_sizes_compile_and_capture_nothing(drafter):
+    """SPEC.md §7, "Warm shapes": with compile=True the constructor compiles and captures every
+    arm's shapes (greedy and sampled, alone and after gaps) at the warmed batch size; requests of
+    other prompt and output lengths, and sampled ones with the warm-up's parameters, then compile
+    nothing and capture nothing, and none of their steps is cold."""
+    from flashspec.decode.warmup import SAMPLED
+    from flashspec.models.graphs import compile_events
+
+    target = tiny("llama", 0, torch.bfloat16)
+    draft = tiny("llama", 1, torch.bfloat16) if drafter == "model" else f"feature:{feature_checkpoint(target)}"
+    engine = SpeculativeEngine(target, [draft, "ngram"], compile=True, max_length=512, warmup=True)
+    assert engine.fixed_shapes and engine.warmup_seconds > 0
+    before = compile_events()
+    for length, new, sampling in [(5, 10, {}), (37, 90, {}), (200, 40, SAMPLED), (3, 250, {}), (300, 30, SAMPLED)]:
+        out = engine.generate([list(range(1, length + 1))], max_new_tokens=new, eos_token_id=[], seed=0, **sampling)
+        assert out.stats.cold_steps == 0 and len(out.sequences[0]) == new
+    assert compile_events() == before

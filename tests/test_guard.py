@@ -11,8 +11,9 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from flashspec import Draft, SpeculativeEngine
-from flashspec.select.guard import DEFAULT_SLACK, GRACE_STEPS, RETRIES, Guard, bucket, check_slack
+from flashspec import Draft, NgramDrafter, SpeculativeEngine
+from flashspec.models import graphs
+from flashspec.select.guard import DEFAULT_SLACK, GRACE_STEPS, RETRIES, CostMemory, Guard, bucket, check_slack
 from tiny_models import noisy_copy, tiny_model
 
 pytestmark = pytest.mark.default_configuration
@@ -493,3 +494,145 @@ def test_the_request_selector_behind_the_guard_keeps_greedy_output_and_learns_pe
                for p in PROMPTS]
     with engine.batch(slots=2, max_length=64, eos_token_id=[]) as batch:
         assert _run_batch(batch, PROMPTS, 12) == offline
+
+
+# ----------------------------------------------------------------------------- steady costs, carried robustly
+def test_a_cold_step_teaches_the_guard_nothing():
+    """SPEC.md §8, "Steady costs only": a step that compiled or captured enters neither the budget
+    nor any estimate; it only leaves the pending list."""
+    guard = Guard([4, 0], baseline=1)
+    for _ in range(5):
+        guard.observe(guard.admit(1), tokens=1, seconds=1.0, rows=1)
+    before = (guard.seconds, guard.tokens, guard.cost(0))
+    guard.pending.append((0, 8))
+    guard.observe(0, tokens=5, seconds=500.0, rows=1, catch_up=8, cold=True)
+    assert (guard.seconds, guard.tokens, guard.cost(0)) == before and not guard.pending
+    assert guard.ratios() == {} and guard.catch_up_ratios() == {}
+    guard.observe(guard.admit(1), tokens=1, seconds=300.0, rows=1, cold=True)  # a cold target-only step too
+    assert guard.base_steps == 5 and guard.cost(1) == pytest.approx(1.0)
+
+
+def test_one_slow_step_does_not_make_an_arm_look_slow():
+    """ĉ_a is the median of the arm's steady steps: a step slowed by a busy host moves it little,
+    and the ratio carried to the next request is the median too."""
+    guard = Guard([2, 0], baseline=1)
+    for _ in range(4):
+        guard.observe(guard.admit(1), tokens=1, seconds=1.0, rows=1)
+    for seconds in (1.5, 1.4, 60.0, 1.6, 1.5):
+        guard.observe(0, tokens=3, seconds=seconds, rows=1)
+    assert guard.cost(0) == pytest.approx(1.5)
+    assert guard.ratios() == {0: pytest.approx(1.5)}
+
+
+class _Measured:
+    """What CostMemory reads of a guard: what it measured, which arms it refused, and whether it
+    ran the target at all."""
+
+    def __init__(self, ratios, catch_ups=None, refused=(), base_steps=5, gammas=(4, 2, 0)):
+        self.gammas, self.baseline, self.base_steps = list(gammas), len(gammas) - 1, base_steps
+        self.arm_drafters, self.refused_arms = [0, 1, None], set(refused)
+        self._ratios, self._catch_ups = ratios, catch_ups or {}
+
+    def ratios(self):
+        return dict(self._ratios)
+
+    def catch_up_ratios(self):
+        return dict(self._catch_ups)
+
+
+def test_the_memory_is_a_median_of_recent_requests_and_forgets_what_is_not_measured():
+    """SPEC.md §8, "What carries over": the median of the last K requests that measured an
+    estimate; a request whose guard refused the arm without measuring it drops its oldest entry
+    (and its drafter's catch-ups'), so an arm kept refused returns to its seed (which never ages)
+    or to the guard's own prior; an arm nobody chose keeps what it had."""
+    memory = CostMemory(kept=3)
+    memory.seed_arm(1, 1.3)
+    for ratio in (1.2, 90.0, 1.4):  # one request measured while the host was busy
+        memory.learn(_Measured({0: ratio}, {(0, 64): 2 * ratio}))
+    assert memory.arm_costs == {0: pytest.approx(1.4), 1: 1.3}
+    assert memory.catch_up_costs == {(0, 64): pytest.approx(2.8)}
+    memory.learn(_Measured({0: 1.0}))
+    assert memory.arm_costs[0] == pytest.approx(1.4)  # the last three: 90, 1.4, 1.0
+    memory.learn(_Measured({}, refused=[0], base_steps=0))  # ran no target-only step: nothing ages
+    memory.learn(_Measured({}, refused=[1]))  # another arm refused: arm 0's entries stay
+    assert memory.arm_costs[0] == pytest.approx(1.4) and memory.catch_up_costs
+    for _ in range(3):
+        memory.learn(_Measured({}, refused=[0]))  # refused three requests in a row: forgotten
+    assert memory.arm_costs == {1: 1.3} and memory.catch_up_costs == {}
+    with pytest.raises(TypeError):
+        memory.arm_costs[0] = 1.0  # read-only: seed it instead
+
+
+class _Capturing(NgramDrafter):
+    """Prompt lookup whose first proposal captures a graph (as a first use on a GPU does)."""
+
+    name = "capturing"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.captured = False
+
+    def propose(self, history, num_tokens, params, uniforms):
+        if not self.captured:
+            self.captured = True
+            graphs._count_capture()
+        return super().propose(history, num_tokens, params, uniforms)
+
+
+@pytest.fixture
+def scripted_clock(monkeypatch):
+    """Step times from a script instead of the host clock (a shared CPU times nothing
+    reproducibly): target-only steps 1 ms, drafting steps 1.3 ms, except that the first
+    ``stalls`` drafting steps take 0.3 s (a stalled drafter, hundreds of target steps)."""
+    from flashspec.decode import loop
+
+    state = {"stalls": 0}
+    record = loop._Run._record
+
+    def scripted(self, arm, k, accepted, active_rows, committed, seconds, catch_up=0, cold=False):
+        if arm is None or self.plan.arm_drafters[arm] is None:
+            seconds = 1e-3
+        elif state["stalls"]:
+            state["stalls"] -= 1
+            seconds = 0.3
+        else:
+            seconds = 1.3e-3
+        return record(self, arm, k, accepted, active_rows, committed, seconds, catch_up, cold)
+
+    monkeypatch.setattr(loop._Run, "_record", scripted)
+    return state
+
+
+LOOPING = tiny_model("llama", 0)  # its greedy output repeats itself: prompt lookup drafts well
+LOOP_PROMPT = [[5, 6, 7, 8, 9, 10, 11]]
+
+
+def _drafted_share(out) -> float:
+    log = out.stats.step_log
+    return sum(r.arm != "target@0" for r in log) / len(log)
+
+
+def test_a_drafter_that_stalled_drafts_again_once_the_stall_is_gone(scripted_clock):
+    """A drafter whose first three steps stall is refused while its stalls are what the guard
+    measured, probed again as those measurements age out, and once it is fast again the default
+    configuration drafts with it (carrying the mean of every step it ever took, it was never
+    admitted again)."""
+    scripted_clock["stalls"] = 3
+    engine = SpeculativeEngine(LOOPING, ["ngram"], selector_options={"seed": 0})
+    shares = [_drafted_share(engine.generate(LOOP_PROMPT, max_new_tokens=200, eos_token_id=[])) for _ in range(9)]
+    assert scripted_clock["stalls"] == 0
+    assert shares[-1] >= 0.5 and min(shares[-3:]) > 0, shares  # drafting again, in every request
+    assert engine.arm_costs[0] == pytest.approx(1.3)  # what it costs now, not what it cost while stalling
+
+
+def test_a_stall_that_compiled_does_not_poison_the_guard(scripted_clock):
+    """A stalled step during which the process captured a graph is a cold step: recorded in the
+    statistics, but the guard and the selector learn nothing from it, so the drafter keeps
+    drafting in the same request and the next."""
+    scripted_clock["stalls"] = 1
+    engine = SpeculativeEngine(LOOPING, [_Capturing()], selector_options={"seed": 0})
+    out = engine.generate(LOOP_PROMPT, max_new_tokens=200, eos_token_id=[])
+    assert out.stats.cold_steps == 1 and [r.cold for r in out.stats.step_log].count(True) == 1
+    assert engine.arm_costs[0] == pytest.approx(1.3)
+    again = engine.generate(LOOP_PROMPT, max_new_tokens=200, eos_token_id=[])
+    assert again.stats.cold_steps == 0 and _drafted_share(again) >= 0.5

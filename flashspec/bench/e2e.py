@@ -47,6 +47,7 @@ from ..engine import SpeculativeEngine
 from ..models.cached import make_lm
 from ..sampling import SamplingParams
 from ..select import SELECTORS
+from ..select.fixed import ScriptedSelector
 from ..select.guard import DEFAULT_SLACK, check_slack
 from ..tuning.timing import best_seconds, cached_forward_seconds, measured
 from .results import pyplot, save_figure, write_results
@@ -319,23 +320,6 @@ class FlashSpecSystem(System):
             peak_memory_bytes=m["peak"],
             peak_growth_bytes=m["growth"],
         )
-
-
-class ScriptedSelector:
-    """Plays ``arms`` in a loop, whatever happens (a warm-up's choices; depends on nothing)."""
-
-    def __init__(self, num_arms: int, arms: list[int]) -> None:
-        if not arms or any(not 0 <= a < num_arms for a in arms):
-            raise ValueError(f"A script needs arms in [0, {num_arms}); got {arms!r}.")
-        self.arms, self._next = list(arms), 0
-
-    def select(self, context: Any = None) -> int:
-        arm = self.arms[self._next % len(self.arms)]
-        self._next += 1
-        return arm
-
-    def update(self, arm: int, observation: Any) -> None:
-        pass
 
 
 def _assisted_settings(assistant: Any) -> dict[str, Any]:

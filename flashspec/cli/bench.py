@@ -25,6 +25,10 @@ def add_parsers(sub: Any) -> None:
     for add in (_core_parser, _forward_parser, _bandit_parser, _select_parser, _gpu_parser, _e2e_parser,
                 _acceptance_parser, _training_parser, _tp_parser, _serve_parser):
         add(bench_sub)
+    from ..bench import hostile, requests  # benchmarks whose parser and command live in their module
+
+    for module in (hostile, requests):
+        module.add_parser(bench_sub)
 
 
 # ----------------------------------------------------------------------------- parsers
@@ -490,3 +494,4 @@ def bench_serve(args: argparse.Namespace) -> None:
                                 "selector": "auto (the server's default: target-only arm and guard)"}, **options)
     serve.write(results, args.out)
     print(serve.summarize(results))
+

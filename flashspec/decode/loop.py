@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..drafters.base import CatchesUp, Drafter, Growth, History, TimesForwards
-from ..models.graphs import window_widths
+from ..models.graphs import compile_events, window_widths
 from ..sampling import SamplingParams
 from ..select import Observation
 from ..stats import GenerationStats, StepRecord
@@ -99,13 +99,19 @@ class _Run:
     def __init__(self, plan: Plan, request: Request, stats: GenerationStats) -> None:
         self._bind(plan, stats, request.params, request.context, request.eos)
         ws, rows = self.ws, request.rows
-        self.budget = self.batch * request.max_new_tokens
+        # Rows past the request's (a fixed shape's padding, SPEC.md §7 "Warm shapes") hold one
+        # token and are inactive from the start: never committed to, never returned.
+        self.real_rows = len(rows)
+        self.budget = self.real_rows * request.max_new_tokens
         for b, r in enumerate(rows):
             ws.tokens[b, : len(r)] = torch.tensor(r, device=ws.tokens.device)
-        ws.prompt_length.copy_(torch.tensor([len(r) for r in rows]))
+        padding = [1] * (self.batch - self.real_rows)
+        ws.prompt_length.copy_(torch.tensor([len(r) for r in rows] + padding))
         ws.length.copy_(ws.prompt_length)
         ws.max_new_tokens.fill_(request.max_new_tokens)
+        ws.max_new_tokens[self.real_rows:] = 0
         ws.active.fill_(True)
+        ws.active[self.real_rows:] = False
         # A host-side upper bound on length.max(): + k + 1 per step, never capped (the first
         # proposal's width; catch-up windows after that come from self.growth, SPEC.md §4, §11).
         self.max_length = request.longest
@@ -145,6 +151,7 @@ class _Run:
         self.caught_up: list[int] = []  # host: the width its drafter caught up on first (0: none)
         self._catching_up = 0
         self.proposed: list[int] = []  # host: drafts per active row at each step
+        self.cold: list[bool] = []  # host: whether the step compiled code or captured a graph
         self.clock = _StepClock(ws.tokens.device)
         self.growth = Growth()  # per step, how far a row may have grown: drafters' catch-up windows (SPEC.md §4)
         self.polled = 0  # steps already handed to the stats and the selector
@@ -188,6 +195,7 @@ class _Run:
         """One speculative step: select → propose → score → verify → commit; the update
         happens lagged, in :meth:`poll`."""
         self.clock.mark()
+        events = compile_events()
         arm, k = self._select()
         has_probs = self._propose(arm, k)
         reuse = self.states_layer
@@ -195,6 +203,7 @@ class _Run:
         self.chosen.append(arm)
         self.proposed.append(k)
         self.caught_up.append(self._catching_up)
+        self.cold.append(compile_events() != events)  # it compiled or captured: a one-off cost (SPEC.md §8)
         self.max_length += k + 1
         self.growth.launched(k)
 
@@ -348,7 +357,7 @@ class _Run:
         """The fewest tokens the longest-remaining row still has to generate, from the tokens
         generated as of the last poll: at least the mean remaining budget ⌈R / B⌉ (host
         arithmetic only)."""
-        return -(-(self.budget - self.generated_total) // self.batch)
+        return -(-(self.budget - self.generated_total) // self.real_rows)
 
     def most_committed(self) -> int:
         """The most tokens per row the last launched step can commit: its draft length + 1 (a
@@ -387,35 +396,41 @@ class _Run:
                 seconds = self.plan.tp.shared_floats(seconds)  # rank 0's clock: same rewards everywhere
             entries = [log[i : i + 3] for i in range(0, len(log), 3)]
             window = slice(self.polled, snapshot.steps)
-            for arm, k, width, (accepted, active_rows, committed), dt in zip(
-                self.chosen[window], self.proposed[window], self.caught_up[window], entries, seconds
+            for arm, k, width, cold, (accepted, active_rows, committed), dt in zip(
+                self.chosen[window], self.proposed[window], self.caught_up[window], self.cold[window], entries, seconds
             ):
                 self.growth.polled(committed)
-                self._record(arm, k, accepted, active_rows, committed, dt, width)
+                self._record(arm, k, accepted, active_rows, committed, dt, width, cold)
             self.polled = snapshot.steps
         return bool(running)
 
     def _record(
         self, arm: int | None, k: int, accepted: int, active_rows: int, committed: int, seconds: float,
-        catch_up: int = 0,
+        catch_up: int = 0, cold: bool = False,
     ) -> None:
-        """The update: one polled step into the statistics, the guard and the selector."""
+        """The update: one polled step into the statistics, the guard and the selector. A cold
+        step (it compiled or captured) is recorded but teaches neither the guard nor the selector
+        what the arm costs, and a stall (a step far costlier than the guard expected) does not
+        teach the selector (SPEC.md §8, "Steady costs only")."""
         stats, plan = self.stats, self.plan
+        teach = not cold
         if plan.guard is not None and arm is not None:
-            plan.guard.observe(arm, committed, seconds, active_rows, catch_up)
+            teach = plan.guard.observe(arm, committed, seconds, active_rows, catch_up, cold=cold)
         if active_rows == 0:  # a step queued ahead after every row finished: it did nothing
             return
         label = None if arm is None else plan.labels[arm]
-        stats.step_log.append(StepRecord(label, accepted, active_rows, committed, seconds))
+        stats.step_log.append(StepRecord(label, accepted, active_rows, committed, seconds, cold))
         stats.steps += 1
         stats.row_steps += active_rows
         stats.decode_tokens += committed
+        stats.cold_steps += cold
         if arm is None:
             return
-        observation = Observation(accepted, k * active_rows, committed, max(seconds, 1e-9))
-        started = time.perf_counter()
-        plan.selector.update(arm, observation)
-        stats.selector_seconds += time.perf_counter() - started
+        if teach:
+            observation = Observation(accepted, k * active_rows, committed, max(seconds, 1e-9))
+            started = time.perf_counter()
+            plan.selector.update(arm, observation)
+            stats.selector_seconds += time.perf_counter() - started
         if plan.arm_drafters[arm] is None:  # the target-only arm
             stats.per_arm[label].steps += 1
             return
@@ -434,7 +449,7 @@ class _Run:
 
     def sequences(self) -> list[list[int]]:
         out = []
-        for b in range(self.batch):
+        for b in range(self.real_rows):
             start, end = int(self.ws.prompt_length[b]), int(self.length[b])
             out.append(self.tokens[b, start:end].tolist())
         return out

@@ -15,15 +15,29 @@ overwritten by the next replay of the same key.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 from unittest import mock
 
 import torch
 
-__all__ = ["Graphs", "window_widths"]
+__all__ = ["Graphs", "compile_events", "window_widths"]
 
 _collected = False  # whether a capture in this process has run torch's gc.collect + empty_cache
+_captures = 0  # CUDA graphs captured in this process
+
+
+def compile_events() -> int:
+    """How many one-off costs this process has paid so far: CUDA graphs captured and frames
+    compiled by ``torch.compile``. A step during which this grows is a *cold* step: its time is
+    not what the step costs from then on (SPEC.md §8, "Steady costs only"). Host arithmetic
+    only: no device read."""
+    frames = 0
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is not None:
+        frames = dynamo.counters["stats"]["unique_graphs"]
+    return _captures + frames
 
 
 @contextlib.contextmanager
@@ -38,6 +52,11 @@ def _capture_without_collecting() -> Iterator[None]:
         return
     with mock.patch("gc.collect", lambda *args, **kwargs: 0), mock.patch("torch.cuda.empty_cache", lambda: None):
         yield
+
+
+def _count_capture() -> None:
+    global _captures
+    _captures += 1
 
 
 def window_widths(capacity: int, smallest: int = 4) -> list[int]:
@@ -85,6 +104,7 @@ class Graphs:
         if self.limit is not None and len(self._graphs) >= self.limit:
             self.clear()
         result = fn()  # the real work of this call, eagerly; warms up kernels and libraries
+        _count_capture()
         graph = torch.cuda.CUDAGraph()
         with _capture_without_collecting(), torch.cuda.graph(graph, pool=self._pool):
             outputs = fn()  # recorded, not executed

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .base import REWARDS, BaseSelector, Observation, Selector
 from .epsilon import EpsilonGreedySelector
-from .fixed import FixedSelector
+from .fixed import FixedSelector, ScriptedSelector
 from .oracle import OracleSelector
 from .registry import SELECTORS, make_selector, selector_from_state_dict
 from .request import RequestSelector
@@ -42,6 +42,7 @@ __all__ = [
     "Observation",
     "OracleSelector",
     "RequestSelector",
+    "ScriptedSelector",
     "Selection",
     "Selector",
     "SlidingWindowUCBSelector",

@@ -1,4 +1,4 @@
-"""The fixed selector: always the same arm."""
+"""The fixed selector: always the same arm; and the scripted one: a given sequence of arms."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 from .base import BaseSelector
 
-__all__ = ["FixedSelector"]
+__all__ = ["FixedSelector", "ScriptedSelector"]
 
 
 class FixedSelector(BaseSelector):
@@ -31,4 +31,22 @@ class FixedSelector(BaseSelector):
         return self.arm
 
     def _update(self, arm, obs, reward) -> None:
+        pass
+
+
+class ScriptedSelector:
+    """Plays ``arms`` in a loop, whatever happens: a warm-up's choices (every arm, and each arm
+    after gaps of another's steps, SPEC.md §4), which depend on nothing."""
+
+    def __init__(self, num_arms: int, arms: list[int]) -> None:
+        if not arms or any(not 0 <= a < num_arms for a in arms):
+            raise ValueError(f"A script needs arms in [0, {num_arms}); got {arms!r}.")
+        self.arms, self._next = list(arms), 0
+
+    def select(self, context: Any = None) -> int:
+        arm = self.arms[self._next % len(self.arms)]
+        self._next += 1
+        return arm
+
+    def update(self, arm: int, observation: Any) -> None:
         pass

@@ -14,16 +14,22 @@ numbers: its choices depend on the past only, so the output law stays the target
 
 from __future__ import annotations
 
+import bisect
 import math
+import statistics
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
-__all__ = ["DEFAULT_SLACK", "GRACE_STEPS", "RETRIES", "Guard", "bucket", "check_slack"]
+__all__ = ["DEFAULT_SLACK", "GRACE_STEPS", "KEPT_REQUESTS", "OUTLIER", "RETRIES", "CostMemory", "Guard", "bucket",
+           "check_slack"]
 
 DEFAULT_SLACK = 0.01  # δ: a request may be up to 1 % slower than the target alone (plus the grace; SPEC.md §8)
 GRACE_STEPS = 1  # g: and one target-only step more
 RETRIES = 2  # a refused choice: ask the selector this many more times before running the target alone
+KEPT_REQUESTS = 4  # K: a cost carried over is the median of the last K requests that measured it
+OUTLIER = 4.0  # a drafting step that cost more than this many times its estimate is a stall, not a throughput
 
 
 def check_slack(slack: Any) -> float | None:
@@ -100,7 +106,10 @@ class Guard:
         self.rows = 1  # n̂: tokens of the last observed target-only step (its active rows)
         self.arm_seconds = [0.0] * len(self.gammas)  # per arm: observed seconds, steps (steady steps)
         self.arm_steps = [0] * len(self.gammas)
+        self.arm_samples: list[list[float]] = [[] for _ in self.gammas]  # per arm: its steady steps' seconds, sorted
+        self.arm_medians = [0.0] * len(self.gammas)  # per arm: their median (ĉ_a once measured)
         self.catch_ups: dict[tuple[int, int], float] = {}  # (drafter, bucket): the last catch-up's extra seconds
+        self.refused_arms: set[int] = set()  # arms refused in this budget (every drafting arm when held)
 
     def reset(self) -> None:
         """Start a new budget (a running batch whose rows all left: its next requests are new
@@ -120,9 +129,11 @@ class Guard:
         return self.base_seconds / self.base_steps
 
     def cost(self, arm: int) -> float:
-        """ĉ_a: the estimated seconds of one steady step of ``arm`` (needs a target-only observation)."""
+        """ĉ_a: the estimated seconds of one steady step of ``arm``, the median of its observed
+        steady steps (one slow step does not make an arm look slow); before one, its prior
+        (needs a target-only observation)."""
         if self.arm_steps[arm]:
-            return self.arm_seconds[arm] / self.arm_steps[arm]
+            return self.arm_medians[arm]
         prior = self.priors.get(arm, 1 + self.gammas[arm] / 2)
         return prior * self._step()
 
@@ -163,6 +174,7 @@ class Guard:
             # Not even the cheapest drafting step fits the budget: run the target alone without
             # asking the selector, whose draws cost host time on every step while the budget is spent.
             self.held += 1
+            self.refused_arms.update(a for a in range(len(self.gammas)) if a != self.baseline)
             self.pending.append((self.baseline, 0))
             return self.baseline, 0
         return self._choose(select, catch_up, room, rank)
@@ -195,6 +207,7 @@ class Guard:
             width = 0
             if first != self.baseline:
                 self.refused += 1
+                self.refused_arms.add(first)
         self.pending.append((arm, width))
         return arm, width
 
@@ -224,14 +237,22 @@ class Guard:
         return self.cost(arm) + self.catch_up_cost(arm, width) <= room
 
     # ------------------------------------------------------------------ learning
-    def observe(self, arm: int, tokens: int, seconds: float, rows: int, catch_up: int = 0) -> None:
+    def observe(self, arm: int, tokens: int, seconds: float, rows: int, catch_up: int = 0,
+                cold: bool = False) -> bool:
         """A polled step: ``arm`` committed ``tokens`` over ``rows`` active rows in ``seconds``,
         after a catch-up of ``catch_up`` positions (0: a steady step). Steps that had no active
-        row (queued after the last one finished) only leave the pending list."""
+        row (queued after the last one finished) and cold steps (they compiled code or captured
+        a graph: a one-off cost, SPEC.md §8 "Steady costs only") only leave the pending list.
+        Returns whether the selector should learn from the step: not when it was cold, and not
+        when a drafting step cost more than :data:`OUTLIER` times what the guard expected of it
+        (a stall, not the arm's throughput; the guard's own budget and estimates still count it)."""
         if self.pending:
             self.pending.popleft()
-        if rows == 0:
-            return
+        if rows == 0 or cold:
+            return False
+        typical = True
+        if arm != self.baseline and self.base_steps:
+            typical = seconds <= OUTLIER * (self.cost(arm) + self.catch_up_cost(arm, catch_up))
         if catch_up and arm != self.baseline and self.base_steps:
             extra = max(0.0, seconds - self.cost(arm))  # what the catch-up added to a steady step
             b = bucket(catch_up)
@@ -239,6 +260,10 @@ class Guard:
         else:
             self.arm_seconds[arm] += seconds
             self.arm_steps[arm] += 1
+            samples = self.arm_samples[arm]
+            bisect.insort(samples, seconds)
+            middle = len(samples) // 2
+            self.arm_medians[arm] = samples[middle] if len(samples) % 2 else (samples[middle - 1] + samples[middle]) / 2
         self.seconds += seconds
         self.tokens += tokens
         if arm == self.baseline:
@@ -246,14 +271,15 @@ class Guard:
             self.base_tokens += tokens
             self.base_steps += 1
             self.rows = max(tokens, 1)
+        return typical
 
     def ratios(self) -> dict[int, float]:
-        """Per measured arm, its mean steady step cost in target-only steps (priors for the next
-        request)."""
+        """Per measured arm, its median steady step cost in target-only steps (priors for the
+        next request, :class:`CostMemory`)."""
         if not self.base_steps:
             return {}
         step = self._step()
-        return {a: self.arm_seconds[a] / self.arm_steps[a] / step for a in range(len(self.gammas))
+        return {a: self.arm_medians[a] / step for a in range(len(self.gammas))
                 if self.arm_steps[a] and a != self.baseline}
 
     def catch_up_ratios(self) -> dict[tuple[int, int], float]:
@@ -263,3 +289,66 @@ class Guard:
             return {}
         step = self._step()
         return {k: s / step for k, s in self.catch_ups.items()}
+
+
+class CostMemory:
+    """What the guards of earlier requests measured, carried to the next request's guard as its
+    priors (SPEC.md §8, "What carries over"), in target-only steps: per arm its steady step
+    (:meth:`Guard.ratios`) and per ``(drafter, width class)`` its catch-up
+    (:meth:`Guard.catch_up_ratios`).
+
+    Each estimate is the median of the last :data:`KEPT_REQUESTS` requests that measured it, so
+    one request measured on a busy machine does not decide the next ones. A request whose guard
+    refused an arm (the selector chose it, or no drafting arm fit the budget) without measuring
+    it drops its oldest measurement, and its drafter's catch-ups likewise: an arm the guard keeps
+    refusing returns to its starting prior — the seed (a calibration's measurement) or the
+    guard's own cautious prior — and is tried again. Seeds never age."""
+
+    def __init__(self, kept: int = KEPT_REQUESTS) -> None:
+        self.kept = kept
+        self._arms: dict[int, deque[float]] = {}
+        self._catch_ups: dict[tuple[int, int], deque[float]] = {}
+        self._arm_seeds: dict[int, float] = {}
+        self._catch_up_seeds: dict[tuple[int, int], float] = {}
+
+    @property
+    def arm_costs(self) -> Mapping[int, float]:
+        """Per arm, its carried steady step cost (read-only: seed with :meth:`seed_arm`)."""
+        return MappingProxyType(self._estimates(self._arms, self._arm_seeds))
+
+    @property
+    def catch_up_costs(self) -> Mapping[tuple[int, int], float]:
+        """Per ``(drafter, width class)``, its carried catch-up cost beyond a steady step."""
+        return MappingProxyType(self._estimates(self._catch_ups, self._catch_up_seeds))
+
+    def seed_arm(self, arm: int, ratio: float) -> None:
+        """A measured steady step cost of ``arm`` (a calibration's), used while no request has."""
+        self._arm_seeds[arm] = float(ratio)
+
+    def seed_catch_up(self, key: tuple[int, int], ratio: float) -> None:
+        """A measured catch-up cost of ``(drafter, width class)``, used while no request has."""
+        self._catch_up_seeds[key] = float(ratio)
+
+    def learn(self, guard: Guard) -> None:
+        """What ``guard`` measured over its request (nothing when it ran no target-only step)."""
+        if not guard.base_steps:
+            return
+        refused = guard.refused_arms - {guard.baseline}
+        drafters = {guard.arm_drafters[a] for a in refused}
+        self._learn(self._arms, guard.ratios(), sorted(refused))
+        self._learn(self._catch_ups, guard.catch_up_ratios(), [k for k in self._catch_ups if k[0] in drafters])
+
+    def _learn(self, history: dict[Any, deque[float]], measured: dict[Any, float], known: list[Any]) -> None:
+        for key, ratio in measured.items():
+            history.setdefault(key, deque(maxlen=self.kept)).append(ratio)
+        for key in known:
+            if key not in measured and history.get(key):
+                history[key].popleft()  # not measured this time: its oldest measurement ages out
+                if not history[key]:
+                    del history[key]
+
+    @staticmethod
+    def _estimates(history: dict[Any, deque[float]], seeds: dict[Any, float]) -> dict[Any, float]:
+        out = dict(seeds)
+        out.update({key: statistics.median(values) for key, values in history.items() if values})
+        return out

@@ -247,7 +247,8 @@ def calibrate_engine(target: Any, drafters: Any = (), *, device: str | torch.dev
                                  **options), choice
     probe = SpeculativeEngine(target, drafters, gammas=list(range(1, max_gamma + 1)), selector="fixed",
                               target_only=True, slack=None, tokenizer=tokenizer, device=device, dtype=dtype,
-                              compile=compile, bit_exact=options.get("bit_exact", False))  # timed as it will run
+                              compile=compile, bit_exact=options.get("bit_exact", False),
+                              warmup=False)  # timed as it will run (measure_steps drops each arm's first step)
     choice.target_step, choice.step_seconds, choice.catch_up_seconds = measure_steps(
         probe, use_cache=use_cache, progress=progress)
     kept, gammas = [], set()
@@ -281,7 +282,7 @@ def seed_guard_priors(engine: Any, choice: Choice) -> None:
             continue
         name = engine.drafters[d].name
         if name in choice.step_seconds and g is not None and g <= len(choice.step_seconds[name]):
-            engine.arm_costs[a] = choice.step_seconds[name][g - 1] / choice.target_step
+            engine.costs.seed_arm(a, choice.step_seconds[name][g - 1] / choice.target_step)
         if name in choice.catch_up_seconds:
             ratio = choice.catch_up_seconds[name] / choice.target_step * bucket(width) / width
-            engine.catch_up_costs[(d, bucket(width))] = ratio
+            engine.costs.seed_catch_up((d, bucket(width)), ratio)

@@ -14,6 +14,7 @@ from flashspec.bench import e2e as bench_e2e
 from flashspec.data.corpus import DOMAINS, heldout_text
 from flashspec.bench.e2e import Regime, check_options, make_prompts, predicted_speedup
 from flashspec.cli import main
+from flashspec.select.fixed import ScriptedSelector
 from flashspec.select.guard import DEFAULT_SLACK, bucket
 from tiny_models import CharTokenizer, noisy_copy, tiny_model, write_tiny_corpus
 
@@ -420,12 +421,12 @@ def test_the_auto_warm_up_measures_catch_ups_for_the_guard(models, corpus):
 
 
 def test_scripted_selector_plays_its_script_and_rejects_bad_arms():
-    selector = bench_e2e.ScriptedSelector(3, [2, 0])
+    selector = ScriptedSelector(3, [2, 0])
     assert [selector.select() for _ in range(5)] == [2, 0, 2, 0, 2]
     with pytest.raises(ValueError, match="arms in"):
-        bench_e2e.ScriptedSelector(2, [2])
+        ScriptedSelector(2, [2])
     with pytest.raises(ValueError, match="arms in"):
-        bench_e2e.ScriptedSelector(2, [])
+        ScriptedSelector(2, [])
 
 
 def test_the_default_configuration_is_checked_call_by_call_against_target_only(corpus, models):

@@ -1,0 +1,195 @@
+"""``flashspec bench requests``: the default configuration used as a user would use it.
+
+One process builds a fresh engine the way README says (``SpeculativeEngine(target, drafters,
+compile=...)``, its warm-up included in the start-up time), then sends chat-formatted requests of
+varied domains and lengths one by one (or in groups of ``--batch``), twice: the first pass is what
+a user meets, the second the same engine warm. Then, on the same warm engine, every arm alone —
+the target alone and each (drafter, γ) as a fixed arm, with no guard — runs the same requests. Per
+request: tokens/s of the first pass over the second (a first request must be as fast as the
+hundredth: SPEC.md §7, "Warm shapes"), the default configuration over the target alone and over
+the best fixed arm for that request, the steps each arm ran and the cold steps (SPEC.md §8).
+Requests come from the corpus's held-out part (:func:`~flashspec.data.corpus.chat_requests`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from .results import write_results
+
+__all__ = ["add_parser", "command", "run", "table", "workload"]
+
+DOMAINS = ("code", "prose", "chat")
+NEW_TOKENS = (160, 256, 384)  # cycled: requests of varied lengths
+SNIPPETS = (96, 192, 288)  # corpus tokens in a request's snippet, cycled out of step with NEW_TOKENS
+PAYS = 1.15  # "some arm beats the target alone by 15 %": where the default must reach 0.9x the best arm
+
+
+def workload(corpus: str | Path, tokenizer: Any, count: int, seed: int = 0, new_tokens: tuple[int, ...] = NEW_TOKENS,
+             snippets: tuple[int, ...] = SNIPPETS) -> list[dict[str, Any]]:
+    """``count`` requests: domains, snippet lengths and new-token budgets cycled, each request a
+    held-out snippet in a user instruction through the tokenizer's chat template."""
+    from ..data.corpus import chat_requests
+
+    out: list[dict[str, Any]] = []
+    for i in range(count):
+        domain, snippet = DOMAINS[i % 3], snippets[(i // 3) % len(snippets)]
+        ids = chat_requests(Path(corpus), domain, 1, tokenizer, seed=seed + i, snippet_tokens=snippet)[0]
+        out.append({"domain": domain, "ids": ids, "max_new_tokens": new_tokens[(i + i // 3) % len(new_tokens)]})
+    return out
+
+
+def _call(engine: Any, group: list[dict[str, Any]], temperature: float, seed: int) -> dict[str, Any]:
+    """One ``generate`` of ``group``'s prompts, timed as the caller sees it (prefill included)."""
+    from ..tuning.timing import measured
+
+    new = max(r["max_new_tokens"] for r in group)
+    with measured(engine.target.device) as m:
+        out = engine.generate([r["ids"] for r in group], max_new_tokens=new, do_sample=temperature > 0,
+                              temperature=temperature or 1.0, seed=seed)
+    steps = {label: per.steps for label, per in out.stats.per_arm.items() if per.steps}
+    return {"tokens": out.stats.new_tokens, "seconds": m["seconds"],
+            "tokens_per_second": out.stats.new_tokens / m["seconds"], "steps": steps,
+            "cold_steps": out.stats.cold_steps, "guard_refused": out.stats.guard_refused}
+
+
+def run(target: Any, drafters: list[Any], requests: list[dict[str, Any]], *, batch: int = 1, temperature: float = 0.0,
+        compile: bool = False, device: Any = None, dtype: Any = None, tokenizer: Any = None, seed: int = 0,
+        progress: bool = True) -> dict[str, Any]:
+    """The measurements of the module docstring, as a JSON-ready dict."""
+    from tqdm.auto import tqdm
+
+    from ..engine import SpeculativeEngine
+    from ..tuning.calibrate import device_name
+
+    started = time.perf_counter()
+    engine = SpeculativeEngine(target, drafters, compile=compile, device=device, dtype=dtype, tokenizer=tokenizer)
+    startup = time.perf_counter() - started
+    groups = [requests[i : i + batch] for i in range(0, len(requests), batch)]
+    systems: dict[str, list[dict[str, Any]]] = {}
+    for name in ("first", "warm"):
+        systems[name] = [_call(engine, g, temperature, seed) for g in tqdm(groups, desc=f"default, {name}",
+                                                                            disable=not progress)]
+    selection, slack = engine.selection, engine.slack
+    engine.slack = None  # every arm alone, as it runs: no guard
+    try:
+        for arm in range(len(engine.arms)):
+            engine.selection = engine.new_selection("fixed", arm=arm)
+            label = engine.arm_label(arm, 4)
+            systems[label] = [_call(engine, g, temperature, seed) for g in tqdm(groups, desc=label,
+                                                                                 disable=not progress)]
+    finally:
+        engine.selection, engine.slack = selection, slack
+    param = next(engine.target.parameters())
+    return {"device": device_name(param.device), "dtype": str(param.dtype).removeprefix("torch."),
+            "compile": compile, "batch": batch, "temperature": temperature, "startup_seconds": startup,
+            "warmup_seconds": engine.warmup_seconds, "fixed_shapes": engine.fixed_shapes,
+            "groups": [{"domains": [r["domain"] for r in g], "prompt_tokens": [len(r["ids"]) for r in g],
+                        "max_new_tokens": max(r["max_new_tokens"] for r in g)} for g in groups],
+            "systems": systems}
+
+
+def table(results: dict[str, Any]) -> str:
+    """The markdown report: one row per request (group), then the goals' summary."""
+    systems = results["systems"]
+    arms = [name for name in systems if name not in ("first", "warm")]
+    base = "target@0" if "target@0" in systems else None
+    fixed = [a for a in arms if a != base]
+    lines = [f"Default configuration as a user meets it: {results['device']}, {results['dtype']}, "
+             f"compile={results['compile']}, batch {results['batch']}, T = {results['temperature']}; start-up "
+             f"{results['startup_seconds']:.1f} s (warm-up {results['warmup_seconds']:.1f} s).", "",
+             "| # | domain | prompt | new | first tok/s | warm tok/s | first / warm | cold steps | × target alone "
+             "| best fixed arm | × target | default / best | default's steps by arm |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratios, over_base, over_best = [], [], []
+    for i, group in enumerate(results["groups"]):
+        first, warm = systems["first"][i], systems["warm"][i]
+        ratio = first["tokens_per_second"] / warm["tokens_per_second"]
+        ratios.append(ratio)
+        target = systems[base][i]["tokens_per_second"] if base else None
+        vs_base = warm["tokens_per_second"] / target if target else None
+        if vs_base is not None:
+            over_base.append(vs_base)
+        best = max(fixed, key=lambda a: systems[a][i]["tokens_per_second"]) if fixed else None
+        best_x = systems[best][i]["tokens_per_second"] / target if best and target else None
+        vs_best = warm["tokens_per_second"] / systems[best][i]["tokens_per_second"] if best else None
+        if vs_best is not None and best_x is not None and best_x >= PAYS:
+            over_best.append(vs_best)
+        total = sum(warm["steps"].values()) or 1
+        shares = ", ".join(f"{a} {n / total:.0%}" for a, n in sorted(warm["steps"].items(), key=lambda x: -x[1]))
+        fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+        lines.append(f"| {i} | {'/'.join(group['domains'])} | {max(group['prompt_tokens'])} | {group['max_new_tokens']} "
+                     f"| {first['tokens_per_second']:.1f} | {warm['tokens_per_second']:.1f} | {ratio:.2f} "
+                     f"| {first['cold_steps']} | {fmt(vs_base)} | {best or '—'} | {fmt(best_x)} | {fmt(vs_best)} "
+                     f"| {shares} |")
+    lines += ["", f"* First pass over warm: lowest {min(ratios):.2f}, median {statistics.median(ratios):.2f} "
+                  "(goal: none below 0.90)."]
+    if over_base:
+        lines.append(f"* Default over the target alone (warm): lowest {min(over_base):.2f}, median "
+                     f"{statistics.median(over_base):.2f} (goal: none below 0.97).")
+    lines.append(f"* Default over the best fixed arm where that arm beats the target alone by {PAYS - 1:.0%}: "
+                 + (f"lowest {min(over_best):.2f}, median {statistics.median(over_best):.2f} over {len(over_best)} "
+                    "requests (goal: at least 0.90)." if over_best else "no such request."))
+    return "\n".join(lines) + "\n"
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``flashspec bench requests`` to the ``bench`` sub-parsers."""
+    from ..models.loading import DTYPES
+
+    p = sub.add_parser("requests", help="the default configuration as a user meets it: a fresh engine, requests "
+                                        "one by one, twice, beside the target alone and every fixed arm")
+    p.add_argument("--target", required=True, help="folder, hub id or .gguf file")
+    p.add_argument("--draft", action="append", default=[], help="a drafter (repeatable)")
+    p.add_argument("--tokenizer", default=None, help="default: the target's")
+    p.add_argument("--corpus", default="../shared/corpus", help="the three-domain corpus (held-out part)")
+    p.add_argument("--requests", type=int, default=24, help="chat-formatted requests (domains and lengths cycled)")
+    p.add_argument("--new-tokens", default=",".join(map(str, NEW_TOKENS)), help="new-token budgets, cycled")
+    p.add_argument("--snippet-tokens", default=",".join(map(str, SNIPPETS)),
+                   help="corpus tokens in each request's snippet, cycled (prompts of varied lengths)")
+    p.add_argument("--batch", type=int, default=1, help="requests per generate call")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
+    p.add_argument("--compile", action="store_true", help="SpeculativeEngine(compile=True), as README's GPU default")
+    p.add_argument("--out", default="bench-results/requests", help="folder for requests.json and requests.md")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=command)
+
+
+def command(args: argparse.Namespace) -> None:
+    """``flashspec bench requests``: check the options, load the target, run, write and print."""
+    import math
+
+    from ..checks import check_int
+    from ..engine import SpeculativeEngine
+    from ..models.loading import DTYPES
+
+    check_int("--requests", args.requests, 1)
+    check_int("--batch", args.batch, 1)
+    sizes = {}
+    for flag, text in (("--new-tokens", args.new_tokens), ("--snippet-tokens", args.snippet_tokens)):
+        try:
+            sizes[flag] = tuple(check_int(flag, int(v), 1) for v in text.split(","))
+        except ValueError:
+            raise ValueError(f"{flag} must be comma-separated whole numbers >= 1; got {text!r}.") from None
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0; got {args.temperature}.")
+    if not Path(args.corpus).is_dir():
+        raise ValueError(f"--corpus {args.corpus!r} is not a folder (the three-domain corpus).")
+    loader = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device,
+                               dtype=DTYPES[args.dtype] if args.dtype else None, warmup=False)
+    if loader.tokenizer is None:
+        raise ValueError("Chat requests need a tokenizer: give --tokenizer.")
+    requests = workload(args.corpus, loader.tokenizer, args.requests, args.seed, sizes["--new-tokens"],
+                        sizes["--snippet-tokens"])
+    results = run(loader.target, args.draft, requests, batch=args.batch, temperature=args.temperature,
+                  compile=args.compile, tokenizer=loader.tokenizer, seed=args.seed, progress=not args.no_progress)
+    report = table(results)
+    write_results(Path(args.out) / "requests.json", results, report)
+    print(report)

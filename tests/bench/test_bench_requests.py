@@ -1,0 +1,49 @@
+"""``flashspec bench requests`` (the default configuration as a user meets it), on the tiny
+models and a tiny corpus: the report's rows and goals are computed from what ran."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from chat_tokenizer import save_tiny_chat_pair
+from tiny_models import write_tiny_corpus
+
+from flashspec.bench.requests import table
+from flashspec.cli import main
+
+
+@pytest.mark.default_configuration
+def test_the_command_runs_the_default_twice_then_every_arm_alone(tmp_path, capsys):
+    target, draft = save_tiny_chat_pair(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    corpus = write_tiny_corpus(tmp_path / "corpus", lines=1500)
+    out = tmp_path / "out"
+    code = main(["bench", "requests", "--target", str(target), "--draft", str(draft), "--draft", "ngram",
+                 "--corpus", str(corpus), "--requests", "3", "--new-tokens", "12,20", "--snippet-tokens", "24,40",
+                 "--device", "cpu", "--dtype", "float32", "--out", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((out / "requests.json").read_text())
+    assert set(results["systems"]) == {"first", "warm", "draft@4", "ngram@4", "target@0"}
+    assert [g["max_new_tokens"] for g in results["groups"]] == [12, 20, 12]
+    assert all(len(calls) == 3 for calls in results["systems"].values())
+    report = (out / "requests.md").read_text()
+    assert report.count("\n| ") == 1 + 3  # the header, then one row per request
+    assert "First pass over warm: lowest" in report and "Default over the target alone" in report
+
+
+def test_the_goals_count_only_requests_where_an_arm_pays():
+    """Default over the best fixed arm is summarised over the requests where that arm beats the
+    target alone by 15 % or more, and the first/warm ratio over every request."""
+    def call(tps, steps=None):
+        return {"tokens_per_second": tps, "steps": steps or {"target@0": 1}, "cold_steps": 0}
+
+    results = {"device": "cpu: test", "dtype": "float32", "compile": False, "batch": 1, "temperature": 0.0,
+               "startup_seconds": 1.0, "warmup_seconds": 0.0,
+               "groups": [{"domains": ["code"], "prompt_tokens": [10], "max_new_tokens": 8}] * 2,
+               "systems": {"first": [call(90.0), call(100.0)], "warm": [call(100.0), call(100.0)],
+                           "target@0": [call(100.0), call(50.0)], "ngram@4": [call(110.0), call(80.0)]}}
+    report = table(results)
+    assert "lowest 0.90, median 0.95" in report  # first / warm: 0.90 and 1.00
+    assert "lowest 1.00, median 1.50" in report  # over the target alone: 1.00 and 2.00
+    assert "lowest 1.25, median 1.25 over 1 requests" in report  # only the second pays (1.6x the target)
