@@ -156,7 +156,7 @@ def test_the_default_configuration_serves_greedy_requests_equal_to_generate(tmp_
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(lambda p: client.completions.create(model="m", prompt=p, max_tokens=24,
+            got = list(pool.map(lambda p: client.completions.create(model="flashspec", prompt=p, max_tokens=24,
                                                                     temperature=0).choices[0].text, prompts))
         assert got == expected
         assert _metric(server, 'flashspec_arm_selections_total{arm="target@0"}') >= 1
@@ -188,9 +188,9 @@ def test_concurrent_greedy_requests_equal_generate(served):
     def one(i):
         time.sleep(0.03 * i)  # arrive while others are decoding
         if i % 2:
-            return _stream_text(client.completions.create(model="m", prompt=PROMPTS[i], max_tokens=budgets[i],
+            return _stream_text(client.completions.create(model="flashspec", prompt=PROMPTS[i], max_tokens=budgets[i],
                                                           temperature=0, stream=True))
-        r = client.completions.create(model="m", prompt=PROMPTS[i], max_tokens=budgets[i], temperature=0)
+        r = client.completions.create(model="flashspec", prompt=PROMPTS[i], max_tokens=budgets[i], temperature=0)
         assert r.usage.completion_tokens == budgets[i]
         return r.choices[0].text, r.choices[0].finish_reason
 
@@ -206,16 +206,16 @@ def test_chat_uses_the_template(served):
     ids = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     expected = reference.generate([list(ids)], max_new_tokens=15).text[0]
-    r = client.chat.completions.create(model="m", messages=messages, max_tokens=15, temperature=0)
+    r = client.chat.completions.create(model="flashspec", messages=messages, max_tokens=15, temperature=0)
     assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(ids)
-    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=15, temperature=0, stream=True)
+    stream = client.chat.completions.create(model="flashspec", messages=messages, max_tokens=15, temperature=0, stream=True)
     assert _stream_text(stream, chat=True) == (expected, "length")
 
 
 def test_seeded_sampling_is_reproducible(served):
     server, client, reference = served
-    kwargs = dict(model="m", prompt="Once upon", max_tokens=30, temperature=0.9, top_p=0.95, seed=1234)
+    kwargs = dict(model="flashspec", prompt="Once upon", max_tokens=30, temperature=0.9, top_p=0.95, seed=1234)
     first = client.completions.create(**kwargs).choices[0].text
     second = _stream_text(client.completions.create(stream=True, **kwargs))[0]
     assert first == second
@@ -232,9 +232,9 @@ def test_stop_strings(served):
     full = reference.generate("def f(x):", max_new_tokens=30).text[0]
     stop = full[10:12]
     cut = full[: full.find(stop)]
-    r = client.completions.create(model="m", prompt="def f(x):", max_tokens=30, temperature=0, stop=[stop])
+    r = client.completions.create(model="flashspec", prompt="def f(x):", max_tokens=30, temperature=0, stop=[stop])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
-    stream = client.completions.create(model="m", prompt="def f(x):", max_tokens=30, temperature=0, stop=stop,
+    stream = client.completions.create(model="flashspec", prompt="def f(x):", max_tokens=30, temperature=0, stop=stop,
                                        stream=True)
     assert _stream_text(stream) == (cut, "stop")
 
@@ -252,10 +252,10 @@ def test_usage_and_metrics_count_only_the_tokens_returned_at_a_stop_string(serve
     expected = next(k for k, n in enumerate(decoded) if n >= len(cut))  # the fewest tokens that hold it
     assert expected < next(k for k, n in enumerate(decoded) if n >= len(cut) + len(stop))  # nor the stop's own
     before = _metric(server, "flashspec_generated_tokens_total")
-    r = client.completions.create(model="m", prompt="def f(x):", max_tokens=30, temperature=0, stop=[stop])
+    r = client.completions.create(model="flashspec", prompt="def f(x):", max_tokens=30, temperature=0, stop=[stop])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
     assert (r.usage.completion_tokens, r.usage.total_tokens) == (expected, r.usage.prompt_tokens + expected)
-    chunks = list(client.completions.create(model="m", prompt="def f(x):", max_tokens=30, temperature=0,
+    chunks = list(client.completions.create(model="flashspec", prompt="def f(x):", max_tokens=30, temperature=0,
                                             stop=[stop], stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
     assert chunks[-1].usage.completion_tokens == expected
@@ -277,7 +277,7 @@ def test_usage_and_metrics_count_only_the_tokens_returned_at_a_stop_string(serve
 def test_bad_requests_get_400(served, body, words):
     server, client, _ = served
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="m", **{k: v for k, v in body.items() if k in ("prompt",)},
+        client.completions.create(model="flashspec", **{k: v for k, v in body.items() if k in ("prompt",)},
                                   extra_body={k: v for k, v in body.items() if k != "prompt"})
     error = caught.value.body
     assert words in error["message"] and error["type"] == "invalid_request_error"
@@ -468,7 +468,7 @@ def test_models_health_and_metrics_move(served):
     assert [m.id for m in client.models.list().data] == ["flashspec"]
     ok, generated = (_metric(server, n) for n in ('flashspec_requests_total{outcome="ok"}',
                                                   "flashspec_generated_tokens_total"))
-    client.completions.create(model="m", prompt="metrics", max_tokens=9, temperature=0)
+    client.completions.create(model="flashspec", prompt="metrics", max_tokens=9, temperature=0)
     assert _metric(server, 'flashspec_requests_total{outcome="ok"}') == ok + 1
     assert _metric(server, "flashspec_generated_tokens_total") == generated + 9
     text = httpx.get(server.url + "/metrics").text

@@ -233,6 +233,9 @@ def prompt_rows(input_ids: Any, attention_mask: Any, tokenizer: Any, vocab_size:
             rows = [list(input_ids)]  # one flat prompt
         elif all(isinstance(r, (list, tuple)) or (isinstance(r, torch.Tensor) and r.dim() == 1) for r in input_ids):
             rows = [r.tolist() if isinstance(r, torch.Tensor) else list(r) for r in input_ids]
+        elif any(isinstance(t, (float, np.floating)) for t in input_ids):
+            raise ValueError(f"input_ids holds {next(t for t in input_ids if isinstance(t, (float, np.floating)))!r}: "
+                             "token ids must be integers (a list of int ids, or a list of token-id lists).")
         else:
             raise ValueError("input_ids must be a list of token ids (one prompt) or a list of token-id lists; "
                              f"got a list holding {type(input_ids[0]).__name__ if input_ids else 'nothing'}.")
@@ -276,6 +279,9 @@ def _checked(rows: list[list[Any]], vocab_size: int) -> list[list[int]]:
             raise ValueError(f"Prompt {i} is empty; every row needs at least one token.")
         ids = [_token_id(t) for t in row]
         for t, v in zip(row, ids):
+            if v is None and isinstance(t, (numbers.Real, np.floating, torch.Tensor)) and not isinstance(t, bool):
+                raise ValueError(f"Prompt {i} contains {t!r}: token ids must be integers (int, not float; "
+                                 "a tensor of dtype torch.long).")
             if v is None or not 0 <= v < vocab_size:
                 raise ValueError(f"Prompt {i} contains token id {t!r}, outside the vocabulary [0, {vocab_size}).")
         out.append(ids)

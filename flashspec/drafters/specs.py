@@ -4,6 +4,7 @@ a loaded model, a path / hub id / ``.gguf`` file, ``"ngram"``, ``"early-exit:N"`
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ def make_drafter(spec: Any, *, target: PreTrainedModel, target_lm: Any, device: 
     """The drafter ``spec`` names, for ``target`` behind ``target_lm`` (its cache, shared by the
     drafters made from the target); models given as paths load on ``device`` in ``dtype``."""
     vocab_size = target.config.vocab_size
+    if isinstance(spec, type):  # a class where an object belongs: NgramDrafter for NgramDrafter()
+        raise ValueError(f"{spec.__name__} is a class, not a drafter: pass an instance: {_call(spec)}.")
     if isinstance(spec, str) and spec == "ngram":
         return NgramDrafter()
     if isinstance(spec, str) and spec.startswith((EARLY_EXIT, FEATURE, SHALLOW)):
@@ -54,6 +57,16 @@ def make_drafter(spec: Any, *, target: PreTrainedModel, target_lm: Any, device: 
     if isinstance(spec, Drafter):
         return spec
     raise ValueError(f"Cannot use {spec!r} as a drafter: give a model, a path, 'ngram' or a Drafter.")
+
+
+def _call(cls: type) -> str:
+    """How an instance of ``cls`` is made: ``Name()``, or ``Name(...)`` when it needs arguments."""
+    try:
+        needed = [p for p in inspect.signature(cls).parameters.values()
+                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    except (TypeError, ValueError):
+        needed = [None]
+    return f"{cls.__name__}({'...' if needed else ''})"
 
 
 def _made_from_target(spec: str, target: PreTrainedModel, target_lm: Any, compile: bool, reuse_shallow: bool

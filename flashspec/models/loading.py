@@ -83,6 +83,7 @@ def load_model(spec: str, device: torch.device | str, dtype: torch.dtype) -> Any
 
     where, extra = _split_gguf(spec)
     local = Path(spec).expanduser().exists()
+    _check_not_empty(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **extra)
     except OSError as error:
@@ -97,6 +98,24 @@ def load_model(spec: str, device: torch.device | str, dtype: torch.dtype) -> Any
             raise
         raise ValueError(_corrupt(spec, error)) from None
     return model.to(device).eval()
+
+
+def _check_not_empty(spec: str) -> None:
+    """A local folder with no model in it (empty, or no config and weights): say so, rather than
+    let the loader call a file there corrupt."""
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        return
+    names = sorted(p.name for p in path.iterdir())
+    if not names:
+        raise ValueError(f"Could not load a model from {spec!r}: the folder is empty.")
+    weights = [n for n in names if n.endswith((".safetensors", ".bin", ".gguf", ".pt", ".pth"))]
+    if "config.json" not in names or not weights:
+        missing = " and ".join(w for w, ok in (("config.json", "config.json" in names),
+                                              ("weights (.safetensors or .bin files)", weights)) if not ok)
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise ValueError(f"Could not load a model from {spec!r}: the folder holds no model (no {missing}; "
+                         f"it has {shown}).")
 
 
 def _weight_files(spec: str) -> list[Path]:

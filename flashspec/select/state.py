@@ -91,13 +91,19 @@ class Selection:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (e.g. after a restart)."""
-        if not isinstance(state, dict) or "default" not in state:
+        if not isinstance(state, dict) or "default" not in state or not isinstance(state.get("contexts", {}), dict):
             raise ValueError("Not a selector state: expected the dict that state_dict() returns.")
+        contexts = OrderedDict()
+        for key, value in state.get("contexts", {}).items():
+            try:
+                label = _hashable(json.loads(key))
+            except (TypeError, ValueError):
+                raise ValueError(f"Not a selector state: context label {key!r} is not the JSON that "
+                                 "state_dict() writes.") from None
+            contexts[label] = selector_from_state_dict(value)
         if self.selector is not None and state["default"] is not None:
             self.selector.load_state_dict(state["default"])
-        self.contexts = OrderedDict(
-            (_hashable(json.loads(k)), selector_from_state_dict(v)) for k, v in state.get("contexts", {}).items()
-        )
+        self.contexts = contexts
 
     def save(self, path: str) -> None:
         """Write :meth:`state_dict` as JSON."""
@@ -107,11 +113,17 @@ class Selection:
     def load(self, path: str) -> None:
         """Continue from a file written by :meth:`save`."""
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 state = json.load(f)
-        except (OSError, json.JSONDecodeError) as error:
+        except OSError as error:
             raise ValueError(f"Could not read a selector state from {path!r}: {error}") from None
-        self.load_state_dict(state)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+            raise ValueError(f"{path!r} is not a saved selector state (the JSON file Selection.save writes); "
+                             f"reading it failed: {error}") from None
+        try:
+            self.load_state_dict(state)
+        except ValueError as error:
+            raise ValueError(f"{path!r} is not a saved selector state of this engine: {error}") from None
 
 
 def _state_of(selector: Any) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ class Metrics:
         """Start every series afresh (a new registry): after the start-up's warm-up requests."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("flashspec_requests", "Requests by outcome "
-                                "(ok, bad_request, rejected, cancelled, error)", ["outcome"], registry=r)
+                                "(ok, bad_request, too_large, unauthorized, rejected, cancelled, shutdown, error)", ["outcome"], registry=r)
         self.prompt_tokens = Counter("flashspec_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("flashspec_generated_tokens", "Tokens generated and returned "
                                         "(as usage.completion_tokens: none past a stop string)", registry=r)

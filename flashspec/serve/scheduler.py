@@ -20,7 +20,7 @@ from typing import Any
 from ..decode.batch import Batch, RowUpdate
 from .metrics import Metrics
 
-__all__ = ["QueueFull", "Scheduler", "Ticket"]
+__all__ = ["QueueFull", "Scheduler", "ShuttingDown", "Ticket"]
 
 log = logging.getLogger("flashspec.serve")
 
@@ -37,6 +37,13 @@ class QueueFull(RuntimeError):
     """The waiting queue is full: answer 429."""
 
 
+class ShuttingDown(RuntimeError):
+    """The server is shutting down: answer 503 (a stream already answering ends with an error event)."""
+
+
+SHUTTING_DOWN = "The server is shutting down; send the request again once it is back."
+
+
 @dataclass
 class Ticket:
     """One request between its handler and the engine thread."""
@@ -44,7 +51,8 @@ class Ticket:
     ids: list[int]
     sampling: dict[str, Any]  # Batch.add's keyword arguments
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("tokens", [...]) / ("done", reason) / ("error", msg)
+    # ("tokens", [...]) / ("done", reason) / ("error", msg) / ("shutdown", msg)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     handle: int | None = None
     cancelled: bool = False
@@ -79,6 +87,7 @@ class Scheduler:
         self._resets: list[threading.Event] = []
         self._wake = threading.Condition()
         self._stopping = False
+        self._drain_deadline: float | None = None  # when running requests are ended (shutdown)
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self.batch: Batch | None = None
@@ -96,19 +105,50 @@ class Scheduler:
         if self._startup_error is not None:
             raise self._startup_error
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the engine thread after its current step (waiting at most ``timeout`` seconds)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
+
+    def drain(self, grace: float) -> None:
+        """Shut down gently: refuse new requests, answer the waiting ones with
+        :class:`ShuttingDown` at once, and end the running ones ``grace`` seconds from now unless
+        they finish first (called again, only a shorter grace counts)."""
+        with self._wake:
+            deadline = time.monotonic() + grace
+            if self._drain_deadline is not None and self._drain_deadline <= deadline:
+                return
+            self._drain_deadline = deadline
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            self.metrics.queue_depth.set(0)
+            self._wake.notify()
+        for ticket in waiting:
+            ticket.send("shutdown", SHUTTING_DOWN)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    @property
+    def capacity(self) -> int:
+        """Requests the server takes at once: batch slots plus queue places."""
+        return self.options["slots"] + self.max_queue
 
     def check(self, ids: list[int], sampling: dict[str, Any]) -> None:
-        """Raise ``ValueError`` for a request the batch would refuse (pure: reads configs only)."""
+        """Raise ``ValueError`` for a request the batch would refuse (pure: reads configs only;
+        a prompt longer than the batch is refused before its ids are read one by one)."""
         assert self.batch is not None
+        if len(ids) > self.batch.max_length:
+            raise ValueError(f"The prompt ({len(ids)} tokens) plus max_new_tokens ({sampling['max_new_tokens']}) "
+                             f"exceeds this server's maximum length of {self.batch.max_length} tokens.")
         self.batch.check(ids, **sampling)
 
     def submit(self, ticket: Ticket) -> None:
         with self._wake:
+            if self._drain_deadline is not None:
+                raise ShuttingDown(SHUTTING_DOWN)
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"The server's queue is full ({self.max_queue} requests waiting); retry shortly.")
             self._waiting.append(ticket)
@@ -175,6 +215,8 @@ class Scheduler:
                 if self._stopping:
                     return
                 cancels, self._cancels = self._cancels, []
+                if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                    cancels += self._end_running()
                 for done in self._resets:
                     self.metrics.reset()
                     done.set()
@@ -214,6 +256,14 @@ class Scheduler:
             self._dispatch(batch.step())
             self.metrics.running.set(len(self._running))
             self._observe_stats(batch)
+
+    def _end_running(self) -> list[Ticket]:
+        """At the end of a shutdown's grace: tell every running request, and return their tickets to cancel."""
+        ended = [t for t in self._running.values() if not t.cancelled]
+        for ticket in ended:
+            ticket.cancelled = ticket.answered = True
+            ticket.send("shutdown", f"{SHUTTING_DOWN} The request was cut off at the end of the shutdown grace.")
+        return ended
 
     def _dispatch(self, updates: list[RowUpdate]) -> None:
         """Send each request's new tokens and, when it finished, its end."""

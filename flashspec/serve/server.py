@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import os
 import socket
 import threading
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checks import check_int
+from .limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT, DEFAULT_SHUTDOWN_GRACE
 from .scheduler import admissible_warmup_lengths
 
-__all__ = ["Server", "build", "default_warmup_lengths", "freeze_heap",
+__all__ = ["Server", "build", "check_seconds", "default_warmup_lengths", "freeze_heap",
            "load_cuda_modules_eagerly", "start_server", "warm_http"]
 
 
@@ -38,9 +40,12 @@ class Server:
     _thread: threading.Thread
 
     def stop(self) -> None:
+        """Shut down as on SIGTERM (SPEC.md §12): waiting requests get 503, running ones have the
+        shutdown grace; then the engine thread ends."""
         self._uvicorn.should_exit = True
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=self._uvicorn.grace + 30)
         self.scheduler.stop()
+        self._uvicorn.config.app.state.close()
         gc.unfreeze()  # what start-up froze may be collected again (freeze_heap)
 
 
@@ -106,13 +111,29 @@ def _check_warmup_lengths(lengths: Any) -> tuple[int, ...]:
     return values
 
 
+def _check_names(model_name: Any, model_aliases: Any) -> tuple[str, ...]:
+    """The model aliases as a tuple, or ``ValueError`` for a name that is not a non-empty string."""
+    aliases = tuple(model_aliases) if isinstance(model_aliases, (list, tuple)) else None
+    if aliases is None:
+        raise ValueError(f"model_aliases must be a list of names; got {model_aliases!r}.")
+    for name in (model_name, *aliases):
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"A model name must be a non-empty string; got {name!r}.")
+    return aliases
+
+
 def build(engine: Any, *, model_name: str = "flashspec", slots: int = 8, max_length: int | None = None,
           max_queue: int = 64, max_prefill_tokens: int = 2048, num_draft_tokens: int = 4,
-          default_max_tokens: int = 256, warmup_lengths: tuple[int, ...] | None = None) -> tuple[Any, Any]:
+          default_max_tokens: int = 256, warmup_lengths: tuple[int, ...] | None = None,
+          model_aliases: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          api_key: str | None = None) -> tuple[Any, Any]:
     """The started scheduler (batch open, warmed up) and the ASGI app over it. ``warmup_lengths``:
     the prompt lengths the warm-up prefills, each clamped to ``max_length - 2`` and run once
     (default: :func:`default_warmup_lengths` for the target's device, the engine's ``compile`` and
-    the batch's ``max_length``); an empty list or a length below 1 is a ``ValueError``."""
+    the batch's ``max_length``); an empty list or a length below 1 is a ``ValueError``.
+    ``model_name`` and ``model_aliases``: the names a request's ``model`` may give;
+    ``max_body_bytes``: the largest request body (413 beyond); ``api_key``: the bearer token
+    every route but ``/health`` needs (None: none) (SPEC.md §12)."""
     try:
         from .app import create_app
         from .metrics import Metrics
@@ -123,6 +144,10 @@ def build(engine: Any, *, model_name: str = "flashspec", slots: int = 8, max_len
         raise ValueError("flashspec serve needs a tokenizer: the target folder has none; pass --tokenizer.")
     check_int("max_queue", max_queue, 0)
     check_int("max_prefill_tokens", max_prefill_tokens, 1)
+    check_int("max_body_bytes", max_body_bytes, 1)
+    aliases = _check_names(model_name, model_aliases)
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ValueError("The API key is empty: give a non-empty key, or none to serve without one.")
     if warmup_lengths is None:
         # The scheduler calls it with the opened batch's max_length (when max_length is None, the
         # batch's default: the model's window, at most 4096). Looked up here, so a test may replace it.
@@ -134,16 +159,19 @@ def build(engine: Any, *, model_name: str = "flashspec", slots: int = 8, max_len
                           max_prefill_tokens=max_prefill_tokens, num_draft_tokens=num_draft_tokens,
                           warmup_lengths=lengths)
     scheduler.start()
-    return scheduler, create_app(scheduler, metrics, engine.tokenizer, model_name, default_max_tokens)
+    return scheduler, create_app(scheduler, metrics, engine.tokenizer, model_name, default_max_tokens,
+                                 model_aliases=aliases, max_body_bytes=max_body_bytes, api_key=api_key)
 
 
-def warm_http(url: str, scheduler: Any, tokenizer: Any, timeout: float = 120.0) -> float:
+def warm_http(url: str, scheduler: Any, tokenizer: Any, timeout: float = 120.0, api_key: str | None = None
+              ) -> float:
     """Send throw-away requests through the running server's HTTP path (a completion, a streamed
     one and, when the tokenizer has a chat template, a streamed chat completion; 1 token each, so
     no decode step), so that the first client request pays none of that path's one-time costs
     (first use of the HTTP server's request path, the streaming response, the chat template).
     Then start the metrics afresh, so that they count the clients' requests only. Returns the
-    seconds taken; a failed warm-up request is logged, never raised (SPEC.md §12)."""
+    seconds taken; a failed warm-up request is logged, never raised (SPEC.md §12). ``api_key``:
+    the server's, if it has one."""
     import json
     import logging
     import urllib.request
@@ -154,9 +182,11 @@ def warm_http(url: str, scheduler: Any, tokenizer: Any, timeout: float = 120.0) 
     if getattr(tokenizer, "chat_template", None) is not None:
         bodies.append(("chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1,
                                             "temperature": 0, "stream": True}))
+    headers = {"Content-Type": "application/json"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
     for route, body in bodies:
-        request = urllib.request.Request(f"{url}/v1/{route}", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(f"{url}/v1/{route}", data=json.dumps(body).encode(), headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:  # our own loopback URL
                 response.read()
@@ -167,18 +197,27 @@ def warm_http(url: str, scheduler: Any, tokenizer: Any, timeout: float = 120.0) 
 
 
 def start_server(engine: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 read_timeout: float = DEFAULT_READ_TIMEOUT, shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
                  **options: Any) -> Server:
     """Serve ``engine`` from a background thread; returns once it accepts connections.
-    ``port=0`` picks a free port. ``options`` go to :func:`build`."""
-    import uvicorn
+    ``port=0`` picks a free port. ``read_timeout``: seconds a client has to send a request;
+    ``shutdown_grace``: seconds running requests may go on once :meth:`Server.stop` is called
+    (SPEC.md §12). ``options`` go to :func:`build`."""
+    try:
+        from .http import make_server
+    except ImportError as error:
+        raise ValueError(MISSING.format(error=error)) from None
 
+    check_seconds("read_timeout", read_timeout)
+    check_seconds("shutdown_grace", shutdown_grace, zero=True)
     started = time.perf_counter()
     scheduler, app = build(engine, **options)
     if port == 0:
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off"))
+    server = make_server(app, scheduler, host=host, port=port, log_level=log_level, read_timeout=read_timeout,
+                         shutdown_grace=shutdown_grace)
     thread = threading.Thread(target=server.run, name="flashspec-http", daemon=True)
     thread.start()
     while not server.started:
@@ -187,11 +226,19 @@ def start_server(engine: Any, *, host: str = "127.0.0.1", port: int = 0, log_lev
             raise ValueError(f"The HTTP server could not start on {host}:{port}.")
         time.sleep(0.02)
     url = f"http://{host}:{port}"
-    warm_http(url, scheduler, engine.tokenizer)
+    warm_http(url, scheduler, engine.tokenizer, api_key=options.get("api_key"))
     freeze_heap()
     seconds = time.perf_counter() - started
     scheduler.metrics.startup.set(seconds)
     return Server(url, scheduler, seconds, server, thread)
+
+
+def check_seconds(name: str, value: Any, zero: bool = False) -> float:
+    """``value`` as seconds (a finite number > 0, or >= 0 with ``zero``), else a ``ValueError``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not zero):
+        raise ValueError(f"{name} must be a number of seconds {'>= 0' if zero else '> 0'}; got {value!r}.")
+    return float(value)
 
 
 def load_cuda_modules_eagerly() -> None:
