@@ -12,17 +12,8 @@
 #   STYLE [chat: chat-formatted requests; text: held-out corpus text], REGIME [long: 256 new tokens;
 #   short: 20], GAMMAS [4], SEED [0]. On CUDA the decode forwards are compiled (--compile).
 set -euo pipefail
-[ $# -ge 3 ] || { echo "usage: $0 TARGET DRAFTER... OUT" >&2; exit 2; }
-python=${PYTHON:-python3}
-target=$1; shift
-dest=${!#}
-drafters=("${@:1:$#-1}")
-corpus=${CORPUS:-../shared/corpus}
-case $target in /*|./*|../*|*.gguf) [ -e "$target" ] || { echo "no target at $target" >&2; exit 1; } ;; esac
-[ -d "$corpus" ] || { echo "no corpus at $corpus (set CORPUS)" >&2; exit 1; }
-device=${DEVICE:-$("$python" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
+source "$(dirname "$0")/inputs.sh"
 compile=(); [ "$device" = cpu ] || compile=(--compile)
-draft_args=(); for d in "${drafters[@]}"; do draft_args+=(--draft "$d"); done
 batch=${BATCH:-1}
 mkdir -p "$dest"
 for t in ${TEMPERATURES:-0 0.7}; do

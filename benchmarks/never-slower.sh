@@ -12,17 +12,8 @@
 #   AUTO_SLACKS (e.g. "default,0.02": one default-configuration system per guard δ, side by side),
 #   AUTO_SELECTORS (e.g. "default,request": one per selector behind the guard).
 set -euo pipefail
-[ $# -ge 3 ] || { echo "usage: $0 TARGET DRAFTER... OUT" >&2; exit 2; }
-python=${PYTHON:-python3}
-target=$1; shift
-dest=${!#}
-drafters=("${@:1:$#-1}")
-corpus=${CORPUS:-../shared/corpus}
-case $target in /*|./*|../*|*.gguf) [ -e "$target" ] || { echo "no target at $target" >&2; exit 1; } ;; esac
-[ -d "$corpus" ] || { echo "no corpus at $corpus (set CORPUS)" >&2; exit 1; }
-device=${DEVICE:-$("$python" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
+source "$(dirname "$0")/inputs.sh"
 compile=(); [ "$device" = cpu ] || compile=(--compile)
-draft_args=(); for d in "${drafters[@]}"; do draft_args+=(--draft "$d"); done
 auto=()
 [ -n "${AUTO_SLACKS:-}" ] && auto+=(--auto-slacks "$AUTO_SLACKS")
 [ -n "${AUTO_SELECTORS:-}" ] && auto+=(--auto-selectors "$AUTO_SELECTORS")

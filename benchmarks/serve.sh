@@ -11,16 +11,7 @@
 #   request, TTFT_LENGTHS [16,64,200,333; 16,64,200], TTFT_REPEATS [8; 3], TTFT_TOKENS [32; 8],
 #   BOUND_S [300; 1800] (no request starts later). On CUDA the decode forwards are compiled.
 set -euo pipefail
-[ $# -ge 3 ] || { echo "usage: $0 TARGET DRAFTER... OUT" >&2; exit 2; }
-python=${PYTHON:-python3}
-target=$1; shift
-dest=${!#}
-drafters=("${@:1:$#-1}")
-corpus=${CORPUS:-../shared/corpus}
-case $target in /*|./*|../*|*.gguf) [ -e "$target" ] || { echo "no target at $target" >&2; exit 1; } ;; esac
-[ -d "$corpus" ] || { echo "no corpus at $corpus (set CORPUS)" >&2; exit 1; }
-device=${DEVICE:-$("$python" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
-draft_args=(); for d in "${drafters[@]}"; do draft_args+=(--draft "$d"); done
+source "$(dirname "$0")/inputs.sh"
 if [ "$device" = cpu ]; then
   set -- "${DTYPE:-float32}" "${MIN_TOKENS:-4}" "${MAX_TOKENS:-16}" "${TTFT_LENGTHS:-16,64,200}" \
          "${TTFT_REPEATS:-3}" "${TTFT_TOKENS:-8}" "${BOUND_S:-1800}"

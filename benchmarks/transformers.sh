@@ -11,16 +11,7 @@
 #   systems run on the first N prompts of each domain only; ratios are paired on the prompts both ran],
 #   GAMMAS [2,4], SYSTEMS [every system of `bench e2e`], B8 and SHAPED [1 on CUDA, 0 on the CPU].
 set -euo pipefail
-[ $# -ge 3 ] || { echo "usage: $0 TARGET DRAFTER... OUT" >&2; exit 2; }
-python=${PYTHON:-python3}
-target=$1; shift
-dest=${!#}
-drafters=("${@:1:$#-1}")
-corpus=${CORPUS:-../shared/corpus}
-case $target in /*|./*|../*|*.gguf) [ -e "$target" ] || { echo "no target at $target" >&2; exit 1; } ;; esac
-[ -d "$corpus" ] || { echo "no corpus at $corpus (set CORPUS)" >&2; exit 1; }
-device=${DEVICE:-$("$python" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
-draft_args=(); for d in "${drafters[@]}"; do draft_args+=(--draft "$d"); done
+source "$(dirname "$0")/inputs.sh"
 if [ "$device" = cpu ]; then gpu=0; extra=(); else gpu=1; extra=(--compile --hf-prompts-per-domain "${HF_PROMPTS:-3}"); fi
 regime=${REGIME:-$([ $gpu = 1 ] && echo long || echo short)}
 systems=(); [ -n "${SYSTEMS:-}" ] && systems=(--systems "$SYSTEMS")
