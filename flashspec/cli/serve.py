@@ -117,7 +117,8 @@ def serve(args: argparse.Namespace) -> None:
     engine = calibrated_engine(args.target, args.draft or [], selector=args.selector, tokenizer=args.tokenizer,
                                device=args.device, dtype=DTYPES[args.dtype] if args.dtype else None,
                                gammas=None if gamma is None else [gamma], compile=args.compile,
-                               bit_exact=args.bit_exact, use_cache=not args.no_calibration_cache)
+                               bit_exact=args.bit_exact, use_cache=not args.no_calibration_cache,
+                               warmup=False)  # the server warms its own batch's shapes (build)
     print(engine.choice.explain(), flush=True)
     scheduler, app = build(engine, model_name=args.model_name or str(args.target).rstrip("/").split("/")[-1],
                            slots=args.max_batch, max_length=args.max_length, max_queue=args.max_queue,
