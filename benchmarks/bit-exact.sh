@@ -14,15 +14,8 @@
 # Environment (defaults in brackets): CORPUS [../shared/corpus], PROMPTS per domain [8],
 #   CASES [chat_b1,chat_b8,text_b1,shaped_8b,forward].
 set -euo pipefail
-[ $# -ge 3 ] || { echo "usage: $0 TARGET DRAFTER... OUT" >&2; exit 2; }
-python=${PYTHON:-python3}
-target=$1; shift
-dest=${!#}
-drafters=("${@:1:$#-1}")
-corpus=${CORPUS:-../shared/corpus}
-case $target in /*|./*|../*|*.gguf) [ -e "$target" ] || { echo "no target at $target" >&2; exit 1; } ;; esac
-[ -d "$corpus" ] || { echo "no corpus at $corpus (set CORPUS)" >&2; exit 1; }
-draft_args=(); for d in "${drafters[@]}"; do draft_args+=(--draft "$d"); done
+DEVICE=cuda  # the mode runs the Triton decode kernels on a CUDA GPU
+source "$(dirname "$0")/inputs.sh"
 want() { [[ ",${CASES:-chat_b1,chat_b8,text_b1,shaped_8b,forward}," == *",$1,"* ]]; }
 both=(--device cuda --dtype bfloat16 --compile --gammas 4 --regimes long --no-progress
       --systems flashspec,flashspec-fixed,flashspec-exact,flashspec-fixed-exact)
