@@ -5,6 +5,7 @@ A model is given as a loaded transformers model, a local folder, a hub id or a `
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 from collections.abc import Iterator
@@ -84,6 +85,8 @@ def load_model(spec: str, device: torch.device | str, dtype: torch.dtype) -> Any
     where, extra = _split_gguf(spec)
     local = Path(spec).expanduser().exists()
     _check_not_empty(spec)
+    if "gguf_file" in extra:
+        extra.update(_dense_gguf())
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **extra)
     except OSError as error:
@@ -98,6 +101,19 @@ def load_model(spec: str, device: torch.device | str, dtype: torch.dtype) -> Any
             raise
         raise ValueError(_corrupt(spec, error)) from None
     return model.to(device).eval()
+
+
+def _dense_gguf() -> dict[str, Any]:
+    """Loading options that unpack a GGUF file's quantized weights into plain dense ones, where
+    transformers would otherwise keep them packed (its newer versions): FlashSpec's caches fuse
+    and its kernels read the weights of plain linear maps, and it chooses the dtype it computes
+    in by timing (SPEC.md §13). Older versions always unpack: no option is needed there."""
+    import transformers
+
+    config = getattr(transformers, "GgufConfig", None)
+    if config is None or "dequantize" not in inspect.signature(config).parameters:
+        return {}
+    return {"quantization_config": config(dequantize=True)}
 
 
 def _check_not_empty(spec: str) -> None:
