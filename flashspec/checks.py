@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import textwrap
 from typing import Any
 
-__all__ = ["check_flag", "check_int", "check_number", "is_int", "is_number"]
+__all__ = ["brief", "check_flag", "check_int", "check_number", "is_int", "is_number"]
 
 
 def is_int(value: Any) -> bool:
@@ -62,3 +63,10 @@ def check_number(name: str, value: Any, low: float | None = None, high: float | 
             rule = "a number " + " and ".join(p for p in parts if p) if any(parts) else "a finite number"
         raise ValueError(f"{name} must be {rule.strip()}; got {value!r}.")
     return float(value)
+
+
+def brief(error: BaseException | str, limit: int = 300) -> str:
+    """``error``'s text in at most ``limit`` characters, cut between words (`` …`` marks the cut):
+    errors quoted inside FlashSpec's own messages stay readable instead of ending mid-word."""
+    return textwrap.shorten(str(error), limit, placeholder=" …") or str(error)[:limit]
+

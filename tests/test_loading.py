@@ -39,3 +39,19 @@ def test_other_models_get_no_gguf_options(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     loading.load_model(str(tmp_path), "cpu", torch.float32)
     assert set(seen) == {"dtype"}
+
+
+def test_a_long_loading_error_is_cut_between_words(tmp_path, monkeypatch):
+    """A quoted error keeps whole words: it is cut between two and the cut is marked."""
+    words = " ".join(f"word{i}" for i in range(200))
+
+    def from_pretrained(where, **kwargs):
+        raise ValueError(f"Unrecognized configuration class for this kind of AutoModel: {words}")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(loading, "_check_not_empty", lambda spec: None)
+    with pytest.raises(ValueError, match="not a causal language model") as caught:
+        loading.load_model(str(tmp_path), "cpu", torch.float32)
+    quoted = str(caught.value).split("causal LM): ", 1)[1]
+    assert quoted.endswith(" …") and len(quoted) <= 300
+    assert all(w.startswith("word") and w[4:].isdigit() for w in quoted[:-2].split()[11:])

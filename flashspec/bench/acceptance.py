@@ -8,6 +8,11 @@ one fixed arm (selector ``"fixed"``, ``gammas=[γ]``), EOS disabled (every row g
 ``max_new_tokens``), and the run records drafts accepted per step, tokens per step, the
 acceptance rate α, decode tokens/s and the drafter's share of decode time. One engine per
 (drafter, γ) is reused across domains and styles; model drafters are loaded once and shared.
+
+``workload`` other than ``corpus`` (:mod:`flashspec.data.workloads`) takes the prompts from
+MT-bench (chat only; both turns, turn 2 built on the target's own greedy first answer, generated
+before any timing), HumanEval (``text``: the raw prompts; ``chat``: chat requests) or a mix of the
+three, and reports by category (MT-bench category, ``humaneval``, corpus domain) instead of domain.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from ..engine import SpeculativeEngine
 from .e2e import _is_model, _is_self_drafter, _machine, drafter_name
 from .results import pyplot, save_figure, write_results
 
-__all__ = ["STYLES", "check_options", "load_and_run", "make_requests", "plot", "run", "summarize", "write"]
+__all__ = ["STYLES", "check_options", "load_and_run", "make_requests", "plot", "run", "summarize", "workload_requests",
+           "write"]
 
 STYLES = ("text", "chat")
 
@@ -88,6 +94,60 @@ def make_requests(
         else:
             raise ValueError(f"Unknown prompt style {style!r}; choose from: {', '.join(STYLES)}.")
     return requests
+
+
+def workload_requests(
+    workload: str, tokenizer: Any, *, styles: list[str], per_category: int, corpus: Path | None = None,
+    prompt_tokens: int = 128, snippet_tokens: int = 192, seed: int = 0, answerer: Any = None,
+    max_new_tokens: int = 128, batch: int = 1, mtbench_file: Any = None, humaneval_file: Any = None,
+) -> dict[str, dict[str, list[list[int]]]]:
+    """Prompts per style and category of ``workload`` (:data:`~flashspec.data.workloads.WORKLOADS`):
+    ``per_category`` MT-bench questions per category (both turns; turn 2 needs ``answerer``, an
+    engine that answers turn 1 greedy in ``max_new_tokens``), HumanEval problems, corpus prompts
+    per domain. ``text``: HumanEval's raw prompts and corpus continuations; ``chat``: chat requests.
+    Categories read ``workload/category`` under ``mixed``."""
+    from ..data import workloads as wl
+    from .requests import first_answers
+
+    if workload == "corpus":
+        return make_requests(Path(corpus or "."), tokenizer, styles=styles, prompts_per_domain=per_category,
+                             prompt_tokens=prompt_tokens, snippet_tokens=snippet_tokens, seed=seed)
+    if workload not in wl.WORKLOADS:
+        raise ValueError(f"Unknown workload {workload!r}; choose from: {', '.join(wl.WORKLOADS)}.")
+    if workload == "mt-bench" and "text" in styles:
+        raise ValueError("MT-bench has chat requests only: use --styles chat.")
+    parts = {"mt-bench", "humaneval", "corpus"} if workload == "mixed" else {workload}
+    out: dict[str, dict[str, list[list[int]]]] = {}
+    for style in styles:
+        found: list[tuple[str, str, list[int]]] = []  # (workload, category, ids)
+        if "mt-bench" in parts and style == "chat":
+            by_category: dict[str, list[wl.Question]] = {}
+            for q in wl.read_mtbench(wl.mtbench_file(mtbench_file)):
+                by_category.setdefault(q.category, []).append(q)
+            short = min(by_category.values(), key=len)
+            if len(short) < per_category:
+                raise ValueError(f"MT-bench has {len(short)} questions in category {short[0].category!r}; "
+                                 f"{per_category} per category asked for.")
+            chosen = [q for qs in by_category.values() for q in qs[:per_category]]
+            firsts = wl.mtbench_requests(tokenizer, chosen)
+            if answerer is None:
+                raise ValueError("MT-bench's second turn needs the target's first answers (an answerer engine).")
+            budgets = {r.name: max_new_tokens for r in firsts}
+            both = wl.add_second_turns(tokenizer, firsts, lambda rs: first_answers(answerer, rs, budgets, batch))
+            found += [("mt-bench", r.category, r.ids) for r in both]
+        if "humaneval" in parts:
+            found += [("humaneval", r.category, r.ids) for r in wl.humaneval_requests(
+                tokenizer, style="chat" if style == "chat" else "completion", path=humaneval_file, count=per_category)]
+        if "corpus" in parts:
+            corpus_prompts = make_requests(Path(corpus or "."), tokenizer, styles=[style],
+                                           prompts_per_domain=per_category, prompt_tokens=prompt_tokens,
+                                           snippet_tokens=snippet_tokens, seed=seed)[style]
+            found += [("corpus", d, ids) for d, ps in corpus_prompts.items() for ids in ps]
+        out[style] = {}
+        for source, category, ids in found:
+            label = f"{source}/{category}" if workload == "mixed" and category != source else category
+            out[style].setdefault(label, []).append(ids)
+    return out
 
 
 def _engine(target: Any, name: str, drafter: Any, gamma: int, tokenizer: Any, compile: bool) -> SpeculativeEngine:
@@ -194,6 +254,19 @@ def run(
 
 
 # ----------------------------------------------------------------------------- reporting
+def _source(settings: dict[str, Any]) -> str:
+    """Where the prompts came from, in words."""
+    workload = settings.get("workload", "corpus")
+    if workload == "corpus":
+        return f"the {settings['heldout']}"
+    corpus = f", corpus prompts from the {settings['heldout']}" if workload == "mixed" else ""
+    return f"the {workload} workload (the fewest of one category; MT-bench counts both turns{corpus})"
+
+
+def _unit(settings: dict[str, Any]) -> str:
+    return "domain" if settings.get("workload", "corpus") == "corpus" else "category"
+
+
 def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "—" if value is None else f"{value:{spec}}{suffix}"
 
@@ -207,13 +280,16 @@ def summarize(results: dict[str, Any]) -> str:
              (f"Machine: {m['processor']}, {m['threads']} threads, {m.get('gpu', m['device'])}; "
               f"torch {m['torch']}, transformers {m['transformers']}; {m['dtype']}. Created {results['created']}."),
              (f"{'Temperature ' + str(s['temperature']) if s['temperature'] else 'Greedy'}; batch {s['batch']}; "
-              f"{s['max_new_tokens']} new tokens per row; {s['prompts_per_domain']} prompts per domain and style "
-              f"from the {s['heldout']}; one fixed arm per drafter × γ; EOS {s['eos']}.")]
+              f"{s['max_new_tokens']} new tokens per row; {s['prompts_per_domain']} prompts per {_unit(s)} and style "
+              f"from {_source(s)}; one fixed arm per drafter × γ; EOS {s['eos']}.")]
     if s.get("target"):
         lines.append(f"Target: {s['target']}; drafters: {', '.join(s['drafters'])}.")
     lines.append("")
     describe = {"text": "continuations of held-out corpus text",
                 "chat": "chat-formatted requests: a held-out snippet inside a user instruction, chat template applied"}
+    if s.get("workload", "corpus") != "corpus":
+        describe = {"text": "completion prompts: HumanEval's raw prompts, corpus continuations",
+                    "chat": "chat requests through the chat template; MT-bench both turns"}
     for style in s["styles"]:
         own = [r for r in rows if r["style"] == style]
         domains = list(dict.fromkeys(r["domain"] for r in own))
@@ -267,7 +343,8 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.set_xlabel("γ (draft tokens per step)", fontsize=8)
             ax.set_ylabel("tokens per step", fontsize=8)
             ax.set_xticks(results["settings"]["gammas"])
-            ax.legend(fontsize=7)
+            if ax.lines:  # a category may have no prompts of this style (MT-bench: chat only)
+                ax.legend(fontsize=7)
     fig.tight_layout()
     return [save_figure(fig, Path(out_dir) / "acceptance.png", dpi=110, bbox_inches="tight")]
 
@@ -299,12 +376,15 @@ def load_and_run(
     prompt_tokens: int,
     snippet_tokens: int = 192,
     seed: int = 0,
+    workload: str = "corpus",
+    mtbench_file: Any = None,
+    humaneval_file: Any = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """Make the prompts, load the target and each model drafter once, :func:`run` and
-    :func:`write`. ``ngram`` and the self-drafter specs go to the engines as strings;
-    ``store:DOMAIN`` becomes a datastore over that domain's training text. ``options`` go to
-    :func:`run`."""
+    """Make the prompts (``workload``: see :func:`workload_requests`), load the target and each
+    model drafter once, :func:`run` and :func:`write`. ``ngram`` and the self-drafter specs go to
+    the engines as strings; ``store:DOMAIN`` becomes a datastore over that domain's training
+    text. ``options`` go to :func:`run`."""
     from ..models.loading import load_model, load_tokenizer
 
     names = [drafter_name(d) for d in drafts]
@@ -315,14 +395,26 @@ def load_and_run(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = getattr(torch, dtype)
     tok = load_tokenizer(tokenizer or target)
-    requests = make_requests(corpus, tok, styles=styles, prompts_per_domain=prompts_per_domain,
-                             prompt_tokens=prompt_tokens, snippet_tokens=snippet_tokens, seed=seed)
+    settings = dict(styles=styles, per_category=prompts_per_domain, corpus=corpus, prompt_tokens=prompt_tokens,
+                    snippet_tokens=snippet_tokens, seed=seed, max_new_tokens=options.get("max_new_tokens", 128),
+                    batch=options.get("batch", 1), mtbench_file=mtbench_file, humaneval_file=humaneval_file)
+    needs_answers = workload in ("mt-bench", "mixed") and "chat" in styles
+    if not needs_answers:  # prompts first: a bad file fails before minutes of loading
+        requests = workload_requests(workload, tok, **settings)
+    else:
+        from ..data.workloads import mtbench_file as find_mtbench, read_mtbench
+
+        read_mtbench(find_mtbench(mtbench_file))  # checked (and fetched) before loading
     model = load_model(target, device, torch_dtype)
+    if needs_answers:  # MT-bench's turn 2 carries the target's own greedy first answer (untimed)
+        requests = workload_requests(workload, tok, answerer=SpeculativeEngine(model, [], tokenizer=tok, warmup=False),
+                                     **settings)
     drafters: dict[str, Any] = {}
     for name, built in zip(names, store_drafters(drafts, corpus, tok)):
         is_path = isinstance(built, str) and built != "ngram" and not _is_self_drafter(built)
         drafters[name] = load_model(built, device, torch_dtype) if is_path else built
     results = run(model, drafters, requests, gammas=gammas, seed=seed, tokenizer=tok, **options)
-    results["settings"].update(target=target, prompt_tokens=prompt_tokens, snippet_tokens=snippet_tokens)
+    results["settings"].update(target=target, prompt_tokens=prompt_tokens, snippet_tokens=snippet_tokens,
+                               workload=workload)
     write(results, out_dir)
     return results

@@ -8,7 +8,10 @@ the target alone and each (drafter, γ) as a fixed arm, with no guard — runs t
 request: tokens/s of the first pass over the second (a first request must be as fast as the
 hundredth: SPEC.md §7, "Warm shapes"), the default configuration over the target alone and over
 the best fixed arm for that request, the steps each arm ran and the cold steps (SPEC.md §8).
-Requests come from the corpus's held-out part (:func:`~flashspec.data.corpus.chat_requests`).
+Requests come from ``--workload`` (:mod:`flashspec.data.workloads`): the corpus's held-out part
+(the default), MT-bench, HumanEval or a mix; the report gives figures per category too. MT-bench's
+turn 2 carries the target's own first answer, generated greedy by the target alone before the
+timed passes (not timed).
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..data import workloads
+from ..data.workloads import HUMANEVAL_STYLES
 from .results import write_results
+from .workload_args import add_workload_arguments
 
-__all__ = ["add_parser", "command", "run", "table", "workload"]
+__all__ = ["add_parser", "command", "first_answers", "run", "table", "workload", "workload_requests"]
 
 DOMAINS = ("code", "prose", "chat")
 NEW_TOKENS = (160, 256, 384)  # cycled: requests of varied lengths
@@ -33,14 +39,42 @@ def workload(corpus: str | Path, tokenizer: Any, count: int, seed: int = 0, new_
              snippets: tuple[int, ...] = SNIPPETS) -> list[dict[str, Any]]:
     """``count`` requests: domains, snippet lengths and new-token budgets cycled, each request a
     held-out snippet in a user instruction through the tokenizer's chat template."""
-    from ..data.corpus import chat_requests
+    return workload_requests("corpus", tokenizer, count=count, corpus=corpus, seed=seed, new_tokens=new_tokens,
+                             snippets=snippets)
 
-    out: list[dict[str, Any]] = []
-    for i in range(count):
-        domain, snippet = DOMAINS[i % 3], snippets[(i // 3) % len(snippets)]
-        ids = chat_requests(Path(corpus), domain, 1, tokenizer, seed=seed + i, snippet_tokens=snippet)[0]
-        out.append({"domain": domain, "ids": ids, "max_new_tokens": new_tokens[(i + i // 3) % len(new_tokens)]})
-    return out
+
+def first_answers(engine: Any, requests: list[Any], budgets: dict[str, int], batch: int = 1) -> list[str]:
+    """The text ``engine`` answers to each request greedy, within the request's budget
+    (``budgets[name]``), ``batch`` prompts of one budget per call."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ValueError("MT-bench's second turn needs a tokenizer to read the first answer: give --tokenizer.")
+    texts: dict[str, str] = {}
+    for budget in sorted({budgets[r.name] for r in requests}):
+        same = [r for r in requests if budgets[r.name] == budget]
+        for i in range(0, len(same), batch):
+            group = same[i : i + batch]
+            out = engine.generate([r.ids for r in group], max_new_tokens=budget, do_sample=False)
+            for r, seq in zip(group, out.sequences):
+                texts[r.name] = tokenizer.decode(seq, skip_special_tokens=True).strip()
+    return [texts[r.name] for r in requests]
+
+
+def workload_requests(name: str, tokenizer: Any, *, count: int | None = None, corpus: str | Path | None = None,
+                      seed: int = 0, new_tokens: tuple[int, ...] = NEW_TOKENS, snippets: tuple[int, ...] = SNIPPETS,
+                      answerer: Any = None, batch: int = 1, **files: Any) -> list[dict[str, Any]]:
+    """The requests of workload ``name`` (:func:`flashspec.data.workloads.load`; ``files``:
+    ``mtbench_file``, ``humaneval_file``, ``humaneval_style``) with new-token budgets cycled per
+    item. MT-bench turn 2 (same budget as its turn 1) is built from ``answerer``'s greedy first
+    answer (:func:`first_answers`); without an ``answerer`` only turn 1 runs."""
+    items = workloads.load(name, tokenizer, count=count, corpus=corpus, seed=seed, snippets=snippets, **files)
+    budgets = {r.name: new_tokens[(i + i // 3) % len(new_tokens)] for i, r in enumerate(items)}
+    if answerer is not None:
+        items = workloads.add_second_turns(tokenizer, items,
+                                           lambda firsts: first_answers(answerer, firsts, budgets, batch))
+    first = {r.name: r.name.removesuffix("turn2") + "turn1" if r.turn == 2 else r.name for r in items}
+    return [{"workload": r.workload, "category": r.category, "domain": r.category, "name": r.name, "turn": r.turn,
+             "request": r, "ids": r.ids, "max_new_tokens": budgets[first[r.name]]} for r in items]
 
 
 def _call(engine: Any, group: list[dict[str, Any]], temperature: float, seed: int) -> dict[str, Any]:
@@ -54,13 +88,15 @@ def _call(engine: Any, group: list[dict[str, Any]], temperature: float, seed: in
     steps = {label: per.steps for label, per in out.stats.per_arm.items() if per.steps}
     return {"tokens": out.stats.new_tokens, "seconds": m["seconds"],
             "tokens_per_second": out.stats.new_tokens / m["seconds"], "steps": steps,
-            "cold_steps": out.stats.cold_steps, "guard_refused": out.stats.guard_refused}
+            "cold_steps": out.stats.cold_steps, "guard_refused": out.stats.guard_refused,
+            "decode_tokens": out.stats.decode_tokens, "row_steps": out.stats.row_steps}
 
 
 def run(target: Any, drafters: list[Any], requests: list[dict[str, Any]], *, batch: int = 1, temperature: float = 0.0,
         compile: bool = False, device: Any = None, dtype: Any = None, tokenizer: Any = None, seed: int = 0,
-        progress: bool = True) -> dict[str, Any]:
-    """The measurements of the module docstring, as a JSON-ready dict."""
+        progress: bool = True, workload: str | None = None) -> dict[str, Any]:
+    """The measurements of the module docstring, as a JSON-ready dict. ``workload``: the words
+    the report's first line gives for the requests (their workload and size)."""
     from tqdm.auto import tqdm
 
     from ..engine import SpeculativeEngine
@@ -86,25 +122,30 @@ def run(target: Any, drafters: list[Any], requests: list[dict[str, Any]], *, bat
         engine.selection, engine.slack = selection, slack
     param = next(engine.target.parameters())
     return {"device": device_name(param.device), "dtype": str(param.dtype).removeprefix("torch."),
-            "compile": compile, "batch": batch, "temperature": temperature, "startup_seconds": startup,
+            "workload": workload, "compile": compile, "batch": batch, "temperature": temperature,
+            "startup_seconds": startup,
             "warmup_seconds": engine.warmup_seconds, "fixed_shapes": engine.fixed_shapes,
-            "groups": [{"domains": [r["domain"] for r in g], "prompt_tokens": [len(r["ids"]) for r in g],
+            "groups": [{"domains": [r["domain"] for r in g], "workloads": [r.get("workload", "corpus") for r in g],
+                        "names": [r.get("name") for r in g], "prompt_tokens": [len(r["ids"]) for r in g],
                         "max_new_tokens": max(r["max_new_tokens"] for r in g)} for g in groups],
             "systems": systems}
 
 
 def table(results: dict[str, Any]) -> str:
-    """The markdown report: one row per request (group), then the goals' summary."""
+    """The markdown report: the workload, one row per request (group), the goals' summary, then
+    figures per category (MT-bench category, ``humaneval``, corpus domain)."""
     systems = results["systems"]
     arms = [name for name in systems if name not in ("first", "warm")]
     base = "target@0" if "target@0" in systems else None
     fixed = [a for a in arms if a != base]
-    lines = [f"Default configuration as a user meets it: {results['device']}, {results['dtype']}, "
-             f"compile={results['compile']}, batch {results['batch']}, T = {results['temperature']}; start-up "
-             f"{results['startup_seconds']:.1f} s (warm-up {results['warmup_seconds']:.1f} s).", "",
-             "| # | domain | prompt | new | first tok/s | warm tok/s | first / warm | cold steps | × target alone "
-             "| best fixed arm | × target | default / best | default's steps by arm |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    labels = _labels(results["groups"])
+    lines = [f"Workload {results['workload']}."] if results.get("workload") else []
+    lines += [f"Default configuration as a user meets it: {results['device']}, {results['dtype']}, "
+              f"compile={results['compile']}, batch {results['batch']}, T = {results['temperature']}; start-up "
+              f"{results['startup_seconds']:.1f} s (warm-up {results['warmup_seconds']:.1f} s).", "",
+              "| # | category | prompt | new | first tok/s | warm tok/s | first / warm | cold steps | × target alone "
+              "| best fixed arm | × target | default / best | default's steps by arm |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios, over_base, over_best = [], [], []
     for i, group in enumerate(results["groups"]):
         first, warm = systems["first"][i], systems["warm"][i]
@@ -122,7 +163,7 @@ def table(results: dict[str, Any]) -> str:
         total = sum(warm["steps"].values()) or 1
         shares = ", ".join(f"{a} {n / total:.0%}" for a, n in sorted(warm["steps"].items(), key=lambda x: -x[1]))
         fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
-        lines.append(f"| {i} | {'/'.join(group['domains'])} | {max(group['prompt_tokens'])} | {group['max_new_tokens']} "
+        lines.append(f"| {i} | {labels[i]} | {max(group['prompt_tokens'])} | {group['max_new_tokens']} "
                      f"| {first['tokens_per_second']:.1f} | {warm['tokens_per_second']:.1f} | {ratio:.2f} "
                      f"| {first['cold_steps']} | {fmt(vs_base)} | {best or '—'} | {fmt(best_x)} | {fmt(vs_best)} "
                      f"| {shares} |")
@@ -134,7 +175,41 @@ def table(results: dict[str, Any]) -> str:
     lines.append(f"* Default over the best fixed arm where that arm beats the target alone by {PAYS - 1:.0%}: "
                  + (f"lowest {min(over_best):.2f}, median {statistics.median(over_best):.2f} over {len(over_best)} "
                     "requests (goal: at least 0.90)." if over_best else "no such request."))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _by_category(results, labels, base)) + "\n"
+
+
+def _labels(groups: list[dict[str, Any]]) -> list[str]:
+    """Each group's category (``workload/category`` when several workloads ran), ``a+b`` for a
+    group of several categories."""
+    mixed = len({w for g in groups for w in g.get("workloads", ["corpus"])}) > 1
+    out = []
+    for g in groups:
+        sources = g.get("workloads", ["corpus"] * len(g["domains"]))
+        names = [f"{w}/{c}" if mixed and c != w else c for w, c in zip(sources, g["domains"])]
+        out.append("+".join(dict.fromkeys(names)))
+    return out
+
+
+def _by_category(results: dict[str, Any], labels: list[str], base: str | None) -> list[str]:
+    """Per category, one line: requests, median warm tokens/s, median speedup over the target
+    alone and the default's tokens per step (decode tokens over row steps, warm pass)."""
+    systems = results["systems"]
+    if len(set(labels)) < 2 or "row_steps" not in systems["warm"][0]:
+        return []
+    lines = ["", "By category (the default configuration, warm):"]
+    for label in dict.fromkeys(labels):
+        index = [i for i, x in enumerate(labels) if x == label]
+        warm = [systems["warm"][i] for i in index]
+        words = [f"median {statistics.median(c['tokens_per_second'] for c in warm):.1f} tok/s"]
+        if base:
+            over = [c["tokens_per_second"] / systems[base][i]["tokens_per_second"] for c, i in zip(warm, index)]
+            words.append(f"median {statistics.median(over):.2f}× the target alone")
+        steps = sum(c["row_steps"] for c in warm)
+        if steps:
+            words.append(f"{sum(c['decode_tokens'] for c in warm) / steps:.2f} tokens per step")
+        requests = sum(len(results["groups"][i]["domains"]) for i in index)
+        lines.append(f"* {label} ({requests} requests): " + ", ".join(words) + ".")
+    return lines
 
 
 def add_parser(sub: Any) -> None:
@@ -146,11 +221,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--target", required=True, help="folder, hub id or .gguf file")
     p.add_argument("--draft", action="append", default=[], help="a drafter (repeatable)")
     p.add_argument("--tokenizer", default=None, help="default: the target's")
+    add_workload_arguments(p, counts="--requests counts MT-bench questions (two requests each) and HumanEval problems then.")
     p.add_argument("--corpus", default="../shared/corpus", help="the three-domain corpus (held-out part)")
-    p.add_argument("--requests", type=int, default=24, help="chat-formatted requests (domains and lengths cycled)")
+    p.add_argument("--humaneval-style", default="chat", choices=HUMANEVAL_STYLES,
+                   help="chat: the prompt in a 'Complete the following Python function' chat request (default); "
+                        "completion: the raw prompt")
+    p.add_argument("--requests", type=int, default=None,
+                   help="items of the workload: corpus requests (default 24; domains and lengths cycled), MT-bench "
+                        "questions (default all 80, two requests each), HumanEval problems (default all 164), "
+                        "mixed (default 24, a third from each)")
     p.add_argument("--new-tokens", default=",".join(map(str, NEW_TOKENS)), help="new-token budgets, cycled")
     p.add_argument("--snippet-tokens", default=",".join(map(str, SNIPPETS)),
-                   help="corpus tokens in each request's snippet, cycled (prompts of varied lengths)")
+                   help="corpus tokens in each corpus request's snippet, cycled (prompts of varied lengths)")
     p.add_argument("--batch", type=int, default=1, help="requests per generate call")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
     p.add_argument("--seed", type=int, default=0)
@@ -170,7 +252,8 @@ def command(args: argparse.Namespace) -> None:
     from ..engine import SpeculativeEngine
     from ..models.loading import DTYPES
 
-    check_int("--requests", args.requests, 1)
+    if args.requests is not None:
+        check_int("--requests", args.requests, 1)
     check_int("--batch", args.batch, 1)
     sizes = {}
     for flag, text in (("--new-tokens", args.new_tokens), ("--snippet-tokens", args.snippet_tokens)):
@@ -180,16 +263,23 @@ def command(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be comma-separated whole numbers >= 1; got {text!r}.") from None
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature must be a finite number >= 0; got {args.temperature}.")
-    if not Path(args.corpus).is_dir():
+    if args.workload in ("corpus", "mixed") and not Path(args.corpus).is_dir():
         raise ValueError(f"--corpus {args.corpus!r} is not a folder (the three-domain corpus).")
+    if args.workload in ("mt-bench", "mixed"):  # a missing or corrupt file fails before the model loads
+        workloads.read_mtbench(workloads.mtbench_file(args.mtbench_file))
+    if args.workload in ("humaneval", "mixed"):
+        workloads.read_humaneval(workloads.humaneval_file(args.humaneval_file))
     loader = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device,
                                dtype=DTYPES[args.dtype] if args.dtype else None, warmup=False)
     if loader.tokenizer is None:
         raise ValueError("Chat requests need a tokenizer: give --tokenizer.")
-    requests = workload(args.corpus, loader.tokenizer, args.requests, args.seed, sizes["--new-tokens"],
-                        sizes["--snippet-tokens"])
+    requests = workload_requests(args.workload, loader.tokenizer, count=args.requests, corpus=args.corpus,
+                                 seed=args.seed, new_tokens=sizes["--new-tokens"], snippets=sizes["--snippet-tokens"],
+                                 answerer=loader, batch=args.batch, mtbench_file=args.mtbench_file,
+                                 humaneval_file=args.humaneval_file, humaneval_style=args.humaneval_style)
     results = run(loader.target, args.draft, requests, batch=args.batch, temperature=args.temperature,
-                  compile=args.compile, tokenizer=loader.tokenizer, seed=args.seed, progress=not args.no_progress)
+                  compile=args.compile, tokenizer=loader.tokenizer, seed=args.seed, progress=not args.no_progress,
+                  workload=workloads.describe(args.workload, [r["request"] for r in requests]))
     report = table(results)
     write_results(Path(args.out) / "requests.json", results, report)
     print(report)

@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..bench.workload_args import acceptance_styles, add_workload_arguments, workload_options
 from ..models.loading import DTYPES
 
 __all__ = ["add_parsers"]
@@ -168,10 +169,11 @@ def _acceptance_parser(sub: Any) -> None:
                         "'feature:DIR', 'shallow:DIR' or 'store:DOMAIN'; default: the demo's 0.5B and ngram")
     p.add_argument("--tokenizer", default=None, help="default: the target's")
     p.add_argument("--corpus", default="../shared/corpus")
+    add_workload_arguments(p, counts="--prompts-per-domain counts per category then (MT-bench: questions).")
     p.add_argument("--gammas", default="2,4,8", help="comma-separated draft lengths")
-    p.add_argument("--styles", default="text,chat",
+    p.add_argument("--styles", default=None,
                    help="comma-separated: text (held-out continuations of --prompt-tokens), chat (chat-formatted "
-                        "requests around --snippet-tokens snippets)")
+                        "requests around --snippet-tokens snippets); default text,chat (chat for mt-bench)")
     p.add_argument("--prompts-per-domain", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128, help="text prompts' length")
     p.add_argument("--snippet-tokens", type=int, default=192, help="chat requests' corpus snippet length")
@@ -431,7 +433,7 @@ def bench_acceptance(args: argparse.Namespace) -> None:
     from ..bench import acceptance, e2e
 
     gammas = _gammas(args.gammas)
-    styles = _names(args.styles)
+    styles = _names(acceptance_styles(args))
     options = {"batch": args.batch, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     drafts = args.draft or ["ngram"]  # checked with a stand-in before the demo download
     acceptance.check_options(drafters=[e2e.drafter_name(d) for d in drafts], gammas=gammas, styles=styles,
@@ -443,7 +445,7 @@ def bench_acceptance(args: argparse.Namespace) -> None:
         corpus=Path(args.corpus), device=args.device, dtype=args.dtype, styles=styles, gammas=gammas,
         prompts_per_domain=args.prompts_per_domain, prompt_tokens=args.prompt_tokens,
         snippet_tokens=args.snippet_tokens, seed=args.seed, compile=args.compile,
-        warm_up=not args.no_warm_up, progress=not args.no_progress, **options,
+        warm_up=not args.no_warm_up, progress=not args.no_progress, **workload_options(args), **options,
     )
     print(acceptance.summarize(results))
 

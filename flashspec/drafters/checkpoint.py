@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..checks import brief
 from .feature import FeatureHead
 from .low_rank import low_rank_factors, merge_low_rank
 from .shallow import ShallowHead
@@ -144,7 +145,7 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
         return _dequantized(load_file(str(folder / "drafter.safetensors")))
     except Exception as error:  # noqa: BLE001 - a truncated or foreign file
         raise ValueError(f"Could not read the drafter weights in {str(folder)!r} (corrupt or truncated?): "
-                         f"{type(error).__name__}: {str(error)[:200]}") from None
+                         f"{type(error).__name__}: {brief(error, 200)}") from None
 
 
 def load_head(path: str | Path, target: Any, kind: str | None = None) -> Any:
@@ -183,7 +184,7 @@ def load_head(path: str | Path, target: Any, kind: str | None = None) -> Any:
         head.load_state_dict(tensors)
     except Exception as error:  # noqa: BLE001 - a truncated or foreign file
         raise ValueError(f"Could not read the drafter weights in {str(folder)!r} (corrupt or truncated?): "
-                         f"{type(error).__name__}: {str(error)[:200]}") from None
+                         f"{type(error).__name__}: {brief(error, 200)}") from None
     parameter = next(target.parameters())
     return head.to(device=parameter.device, dtype=parameter.dtype).eval()
 

