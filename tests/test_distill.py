@@ -1,4 +1,4 @@
-"""Self-distilled training text (flashspec/distill.py): the target's answers to prompts from the
+"""Self-distilled training text (flashspec/training/distill.py): the target's answers to prompts from the
 corpus's training part only — never its held-out 5 % — written as one text file; the CLI."""
 
 from __future__ import annotations

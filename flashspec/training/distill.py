@@ -1,25 +1,45 @@
-"""Self-distilled training text: the target's own answers to prompts cut from the corpus's training part.
+"""Self-distilled training data: the target's own answers, to real conversations and to corpus prompts.
 
-A drafter trained on what the target itself writes (``flashspec train-drafter --data`` on the
-file :func:`write_distilled` makes) learns the target's style, chat formatting included. Prompts
-come only from the training part (``part="train"`` of :mod:`flashspec.data.corpus`: the 5 %
-just before the held-out 5 %), never from the held-out text the benchmarks measure on; the
-target answers them through :class:`~flashspec.engine.SpeculativeEngine` target-only, stopping
-at EOS. ``flashspec distill`` is the command line (:mod:`flashspec.cli.train`).
+A drafter trained on what the target itself writes learns the target's style, chat formatting
+included. Two sources of prompts (:data:`SOURCES`), mixable by counts:
+
+* ``sharegpt``: real users' conversations (:mod:`flashspec.data.sharegpt`), every user turn
+  answered by the target on top of its own earlier answers (:mod:`~flashspec.training.conversations`),
+  as EAGLE-3 and SpecForge make their training data;
+* ``corpus``: prompts cut from the corpus's training part (``part="train"`` of
+  :mod:`flashspec.data.corpus`: the 5 % just before the held-out 5 %), never from the held-out
+  text the benchmarks measure on.
+
+The target answers through :class:`~flashspec.engine.SpeculativeEngine` target-only, stopping at
+EOS. :func:`distill_folder` writes token shards with loss masks and a manifest, and continues an
+interrupted run (:mod:`~flashspec.training.shards`); :func:`distill` and :func:`write_distilled`
+write corpus answers as plain text. ``flashspec distill`` is the command line
+(:mod:`flashspec.cli.train`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from ..checks import check_int, check_number
+from ..data.sharegpt import part_of, read_sharegpt, sha256_of_file
+from ..data.sharegpt import sharegpt_file as locate_sharegpt
+from .conversations import Item, Tally, answer_items, derived_seed
+from .shards import finished, open_manifest, save_manifest, shard_name, write_shard
 
-__all__ = ["STYLES", "check_options", "distill", "write_distilled"]
+__all__ = ["SOURCES", "STYLES", "DistillOptions", "check_options", "distill", "distill_folder", "write_distilled"]
 
 STYLES = ("chat", "text")
+SOURCES = ("sharegpt", "corpus", "mixed")
+DOMAIN_CHOICES = ("code", "prose", "chat", "all")
 PROMPT_TOKENS = {"chat": 192, "text": 128}  # default corpus tokens per prompt: chat snippet, text prompt
 
 
@@ -82,3 +102,187 @@ def write_distilled(docs: list[str], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
     return path
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    """What shapes distilled data (a folder's identity: another value cannot continue in it)."""
+
+    source: str  # sharegpt, corpus or mixed (both)
+    conversations: int = 1000  # ShareGPT conversations (those starting with a user turn, in file order)
+    max_turns: int = 4  # user turns answered per conversation
+    max_context: int = 2048  # a turn whose context (prompt tokens) is longer ends its conversation
+    count: int = 256  # corpus prompts per domain
+    domain: str = "all"  # corpus domain, or all of them
+    style: str = "chat"  # corpus prompts: chat requests or text continuations
+    prompt_tokens: int | None = None  # corpus tokens per prompt (default PROMPT_TOKENS[style])
+    max_new_tokens: int = 256  # per answer
+    temperature: float = 0.0  # 0: greedy
+    seed: int = 0
+    shard_size: int = 256  # items (conversations or prompts) per shard
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}; got {self.source!r}.")
+        if self.domain not in DOMAIN_CHOICES:
+            raise ValueError(f"domain must be one of {', '.join(DOMAIN_CHOICES)}; got {self.domain!r}.")
+        check_options(self.count, self.max_new_tokens, 1, self.temperature, self.style)
+        for name in ("conversations", "max_turns", "max_context", "shard_size"):
+            check_int(name, getattr(self, name), 1)
+        if self.prompt_tokens is not None:
+            check_int("prompt_tokens", self.prompt_tokens, 1)
+        check_int("seed", self.seed, 0)
+
+    def relevant(self) -> dict[str, Any]:
+        """The options that shape this source's data: a folder's identity (an option of the other
+        source alone may change between runs)."""
+        unused = {"sharegpt": ("count", "domain", "style", "prompt_tokens"), "corpus": ("conversations", "max_turns"),
+                  "mixed": ()}[self.source]
+        return {name: value for name, value in asdict(self).items() if name not in unused}
+
+
+def distill_folder(
+    target: Any, tokenizer: Any, out: str | Path, options: DistillOptions, *, sharegpt_file: str | Path | None = None,
+    corpus_dir: str | Path | None = None, batch: int = 64, progress: bool = True,
+    arguments: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Distill ``options``' items into the folder ``out`` (token shards and ``manifest.json``,
+    :mod:`~flashspec.training.shards`), ``batch`` rows per generate call; shards an earlier run
+    of the same identity finished are kept. Returns the manifest. ``arguments``: the command's
+    options, recorded in the manifest. ``target``: a loaded model (or anything
+    ``SpeculativeEngine`` takes)."""
+    from ..decode.request import context_window
+    from ..engine import SpeculativeEngine
+
+    check_int("batch", batch, 1)
+    if tokenizer is None:
+        raise ValueError("Distilling reads and writes text: give a tokenizer.")
+    engine = SpeculativeEngine(target, [], tokenizer=tokenizer)
+    window = context_window(engine.target.config)
+    if window is not None and options.max_context + options.max_new_tokens > window:
+        raise ValueError(f"max_context ({options.max_context}) plus max_new_tokens ({options.max_new_tokens}) "
+                         f"exceeds the target's context window of {window} tokens.")
+    sources, files = _sources(options, engine.tokenizer, sharegpt_file, corpus_dir)
+    identity = {"options": options.relevant(), "target_sha256": weights_sha256(engine.target),
+                "tokenizer": _tokenizer_identity(engine.tokenizer), "files": files}
+    manifest = open_manifest(out, identity)
+    manifest["target"] = {"name_or_path": getattr(engine.target.config, "_name_or_path", ""),
+                          "model_type": engine.target.config.model_type}
+    manifest["tokenizer"] = getattr(engine.tokenizer, "name_or_path", type(engine.tokenizer).__name__)
+    manifest["arguments"] = arguments if arguments is not None else manifest.get("arguments")
+    save_manifest(out, manifest)
+    total = sum(count for _, _, count in sources)
+    bar = tqdm(total=total, desc=f"distill {options.source}", unit="item", disable=not progress)
+    shown = Tally()
+
+    def show(answers: int, tokens: int, done: int) -> None:
+        shown.answers += answers
+        shown.answer_tokens += tokens
+        bar.update(done)
+        bar.set_postfix(answers=f"{shown.answers:,}", answer_tokens=f"{shown.answer_tokens:,}")
+
+    try:
+        for source, items, _ in sources:
+            for number, group in enumerate(_chunks(items, options.shard_size)):
+                _make_shard(engine, out, manifest, options, source, number, group, batch, show)
+    finally:
+        bar.close()
+    return manifest
+
+
+def _make_shard(engine: Any, out: str | Path, manifest: dict[str, Any], options: DistillOptions, source: str,
+                number: int, group: list[Item], batch: int, show: Callable[[int, int, int], None]) -> None:
+    """Make shard ``number`` of ``source`` from ``group`` and enter it in the manifest, unless an
+    earlier run finished it; ``show(answers, answer tokens, items done)`` moves the progress bar."""
+    name, first = shard_name(source, number), number * options.shard_size
+    kept = finished(out, manifest, name)
+    if kept is not None:
+        show(kept["answers"], kept["answer_tokens"], kept["items"])
+        return
+    started = time.perf_counter()
+    samples, tally = answer_items(
+        engine, group, max_turns=options.max_turns, max_context=options.max_context,
+        max_new_tokens=options.max_new_tokens, batch=batch, temperature=options.temperature,
+        seed=derived_seed(options.seed, name), on_answers=show)
+    seconds = time.perf_counter() - started
+    estimate = [part_of(group[s.item].key) == "estimate" for s in samples]
+    for sample in samples:
+        sample.item += first  # the item's index within its source
+    entry = write_shard(out, name, samples, estimate)
+    entry.update(source=source, first=first, items=len(group), answers=tally.answers, answers_cut=tally.cut,
+                 conversations=tally.conversations, skipped=tally.skipped, seconds=round(seconds, 3))
+    manifest["shards"] = sorted([e for e in manifest["shards"] if e["name"] != name] + [entry], key=lambda e: e["name"])
+    save_manifest(out, manifest)
+
+
+def weights_sha256(model: Any) -> str:
+    """sha256 of every parameter of ``model`` (names, shapes, values rounded to bfloat16, as
+    :func:`flashspec.drafters.checkpoint.shared_checksum` rounds them): the same target in float32
+    or bfloat16 matches, another one does not."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.named_parameters()):
+        data = tensor.detach().to("cpu", torch.bfloat16).contiguous()
+        digest.update(f"{name}{tuple(data.shape)}".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    """The tokenizer by content (its size, vocabulary and chat template), not by where it lies."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
+    template = getattr(tokenizer, "chat_template", None)
+    return {"size": len(tokenizer) if hasattr(tokenizer, "__len__") else None,
+            "vocab_sha256": None if vocab is None else hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest(),
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None}
+
+
+def _sources(options: DistillOptions, tokenizer: Any, sharegpt_file: str | Path | None,
+             corpus_dir: str | Path | None) -> tuple[list[tuple[str, Iterator[Item] | list[Item], int]], dict]:
+    """``(source, items, count)`` per source of ``options``, and the checksums of the files read."""
+    sources: list[tuple[str, Any, int]] = []
+    files: dict[str, Any] = {}
+    if options.source in ("sharegpt", "mixed"):
+        path = locate_sharegpt(sharegpt_file)
+        files["sharegpt_sha256"] = sha256_of_file(path)
+        sources.append(("sharegpt", _conversations(path, options.conversations), options.conversations))
+    if options.source in ("corpus", "mixed"):
+        from ..data.corpus import DOMAINS
+
+        if corpus_dir is None:
+            raise ValueError("Corpus prompts need the corpus folder: give corpus_dir (--corpus).")
+        domains = list(DOMAINS) if options.domain == "all" else [options.domain]
+        for domain in domains:
+            if not (Path(corpus_dir) / DOMAINS[domain]).is_file():
+                raise ValueError(f"Corpus file {Path(corpus_dir) / DOMAINS[domain]} not found; pass --corpus "
+                                 "pointing at shared/corpus.")
+        files["corpus_sha256"] = {d: sha256_of_file(Path(corpus_dir) / DOMAINS[d]) for d in domains}
+        items = [Item(f"{domain}-{i}", prompt=tuple(prompt)) for domain in domains
+                 for i, prompt in enumerate(_corpus_prompts(options, tokenizer, corpus_dir, domain))]
+        sources.append(("corpus", items, len(items)))
+    return sources, files
+
+
+def _conversations(path: Path, count: int) -> Iterator[Item]:
+    """The first ``count`` ShareGPT conversations that start with a user turn, as items of their
+    user turns (the recorded answers are never used)."""
+    chosen = ((key, messages) for key, messages in read_sharegpt(path) if messages[0]["role"] == "user")
+    for key, messages in itertools.islice(chosen, count):
+        yield Item(key, turns=tuple(m["content"] for m in messages if m["role"] == "user"))
+
+
+def _corpus_prompts(options: DistillOptions, tokenizer: Any, corpus_dir: str | Path, domain: str) -> list[list[int]]:
+    from ..data.corpus import chat_requests, heldout_prompts
+
+    tokens = PROMPT_TOKENS[options.style] if options.prompt_tokens is None else options.prompt_tokens
+    if options.style == "chat":
+        return chat_requests(Path(corpus_dir), domain, options.count, tokenizer, options.seed, part="train",
+                             snippet_tokens=tokens)
+    return heldout_prompts(Path(corpus_dir), domain, options.count, tokens, tokenizer, options.seed, part="train")
+
+
+def _chunks(items: Any, size: int) -> Iterator[list[Item]]:
+    iterator = iter(items)
+    while group := list(itertools.islice(iterator, size)):
+        yield group

@@ -1,0 +1,254 @@
+"""Distilled folders (flashspec/training/distill.py, shards.py): token shards and their manifest
+round-trip; a run stopped midway continues without making finished shards again; other
+settings in the same folder are refused; training reads the folder; ``flashspec distill``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from distill_helpers import (
+    RECORDED,
+    GenerateSpy,
+    RoleChatTokenizer,
+    Stopped,
+    keys,
+    record,
+    write_sharegpt,
+)
+from tiny_models import tiny_model, write_tiny_corpus
+
+from flashspec.data.sharegpt import part_of, sha256_of_file
+from flashspec.training.data import check_data, distilled_chunks, training_chunks
+from flashspec.training.distill import DistillOptions, distill_folder, weights_sha256
+from flashspec.training.shards import load_distilled, read_manifest
+
+OPTIONS = DistillOptions(source="sharegpt", conversations=5, max_turns=2, max_context=150, max_new_tokens=4,
+                         shard_size=2)
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.set_num_threads(1)
+    return tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def sharegpt(tmp_path_factory):
+    """Six conversations (one in the estimate part, one starting with an answer), the file cut
+    off inside a seventh."""
+    folder = tmp_path_factory.mktemp("sharegpt")
+    ids = keys(4, "train") + keys(1, "estimate")
+    records = [record(key, [f"question {n}", f"follow-up {n}"]) for n, key in enumerate(ids)]
+    records.insert(1, {"id": "answer-first_0", "conversations": [{"from": "gpt", "value": "hi"},
+                                                                  {"from": "human", "value": "skipped"}]})
+    records += [record("x_0", ["a", "b", "c"]), record("cut_0", ["never read"])]
+    return write_sharegpt(folder / "sg.json", records, cut=20)
+
+
+def _distill(target, folder, sharegpt, options=OPTIONS, **kwargs):
+    return distill_folder(target, RoleChatTokenizer(), folder, options, sharegpt_file=sharegpt, batch=4,
+                          progress=False, **kwargs)
+
+
+def _contents(folder):
+    return [(s.source, s.item, s.estimate, s.ids.tolist(), s.mask.tolist()) for s in load_distilled(folder)]
+
+
+def test_shards_round_trip_with_masks_and_a_complete_manifest(target, sharegpt, tmp_path, monkeypatch):
+    spy = GenerateSpy(monkeypatch)
+    manifest = _distill(target, tmp_path / "out", sharegpt, arguments={"out": "here"})
+    assert read_manifest(tmp_path / "out") == manifest
+    # the answered contexts and answers are the samples, masked exactly on the answers
+    samples = list(load_distilled(tmp_path / "out"))
+    assert [s.item for s in samples] == [0, 1, 2, 3, 4]  # one sample per conversation (the template keeps turns)
+    last = {}
+    for prompts, outs in spy.calls:
+        for p, o in zip(prompts, outs):
+            last[tuple(p[:17])] = (p, o)  # "<u>question N</u>": the conversation
+    for sample in samples:
+        assert sample.ids.dtype == np.uint32 and sample.mask.dtype == bool
+        prompt, out = last[tuple(sample.ids[:17].tolist())]
+        assert sample.ids.tolist() == prompt + out and sample.mask[-len(out):].all()
+        assert RECORDED not in "".join(map(chr, sample.ids.tolist()))
+    assert [s.estimate for s in samples] == [False] * 4 + [True]
+    assert [s.estimate for s in load_distilled(tmp_path / "out", "estimate")] == [True]
+    assert len(list(load_distilled(tmp_path / "out", "train"))) == 4
+    # the manifest: identity, names, arguments, per-shard counts and checksums, totals
+    identity = manifest["identity"]
+    assert identity["options"]["max_turns"] == 2 and identity["options"]["source"] == "sharegpt"
+    assert identity["target_sha256"] == weights_sha256(target)
+    assert identity["files"]["sharegpt_sha256"] == sha256_of_file(sharegpt)
+    assert identity["tokenizer"]["chat_template_sha256"] and manifest["arguments"] == {"out": "here"}
+    assert manifest["target"]["model_type"] == "llama"
+    assert [e["name"] for e in manifest["shards"]] == ["sharegpt-00000.npz", "sharegpt-00001.npz",
+                                                        "sharegpt-00002.npz"]
+    assert [(e["first"], e["items"]) for e in manifest["shards"]] == [(0, 2), (2, 2), (4, 1)]
+    for entry in manifest["shards"]:
+        assert entry["sha256"] == sha256_of_file(tmp_path / "out" / entry["name"]) and entry["seconds"] > 0
+    totals = manifest["totals"]
+    assert totals["conversations"] == 5 and totals["answers"] == 10 == sum(len(p) for p, _ in spy.calls)
+    assert totals["answer_tokens"] == sum(int(s.mask.sum()) for s in samples) == 40
+    assert totals["tokens"] == sum(s.ids.size for s in samples) and totals["shards"] == 3
+    assert totals["answers_cut"] == 10 and totals["skipped"] == 0
+
+
+def test_a_stopped_run_continues_where_it_stopped(target, sharegpt, tmp_path, monkeypatch):
+    whole = GenerateSpy(monkeypatch)
+    _distill(target, tmp_path / "whole", sharegpt)
+    assert len(whole.calls) == 6  # per shard: turn 1, turn 2
+
+    GenerateSpy(monkeypatch, fail_at=4)  # stops inside the second shard
+    with pytest.raises(Stopped):
+        _distill(target, tmp_path / "stopped", sharegpt)
+    assert [e["name"] for e in read_manifest(tmp_path / "stopped")["shards"]] == ["sharegpt-00000.npz"]
+    again = GenerateSpy(monkeypatch)
+    manifest = _distill(target, tmp_path / "stopped", sharegpt)
+    assert len(again.calls) == 4  # the finished shard is kept, two are made
+    assert _contents(tmp_path / "stopped") == _contents(tmp_path / "whole")
+    assert manifest["totals"]["answers"] == 10
+
+    once_more = GenerateSpy(monkeypatch)
+    _distill(target, tmp_path / "stopped", sharegpt)
+    assert once_more.calls == []  # all finished: nothing made
+    # a damaged shard is not finished: reading refuses it, and the next run makes it again
+    shard = tmp_path / "stopped" / "sharegpt-00001.npz"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        list(load_distilled(tmp_path / "stopped"))
+    remade = GenerateSpy(monkeypatch)
+    _distill(target, tmp_path / "stopped", sharegpt)
+    assert len(remade.calls) == 2
+    assert _contents(tmp_path / "stopped") == _contents(tmp_path / "whole")
+
+
+def test_other_settings_in_the_same_folder_are_refused(target, sharegpt, tmp_path, monkeypatch):
+    _distill(target, tmp_path / "out", sharegpt)
+    spy = GenerateSpy(monkeypatch)  # options of the corpus alone do not shape ShareGPT data: continued
+    _distill(target, tmp_path / "out", sharegpt, DistillOptions(**{**vars(OPTIONS), "style": "text", "count": 9}))
+    assert spy.calls == []
+    with pytest.raises(ValueError, match=r"options\.max_turns: 2 before, 3 now"):
+        _distill(target, tmp_path / "out", sharegpt, DistillOptions(**{**vars(OPTIONS), "max_turns": 3}))
+    with pytest.raises(ValueError, match="target_sha256"):
+        _distill(tiny_model("llama", seed=1), tmp_path / "out", sharegpt)
+    other = write_sharegpt(tmp_path / "other.json", [record("z_0", ["q"])])
+    with pytest.raises(ValueError, match="sharegpt_sha256"):
+        _distill(target, tmp_path / "out", other)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty"):
+        _distill(target, tmp_path / "full", sharegpt)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        _distill(target, tmp_path / "file", sharegpt)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"source": "web"}, "source must be"), ({"conversations": 0}, "conversations must be"),
+    ({"max_turns": 0}, "max_turns"), ({"max_context": -1}, "max_context"), ({"shard_size": 0}, "shard_size"),
+    ({"temperature": -1.0}, "temperature"), ({"domain": "poetry"}, "domain"), ({"style": "poem"}, "style"),
+    ({"prompt_tokens": 0}, "prompt_tokens"), ({"seed": -1}, "seed"),
+])
+def test_bad_options(change, message):
+    with pytest.raises(ValueError, match=message):
+        DistillOptions(**{**vars(OPTIONS), **change})
+
+
+def test_contexts_that_cannot_fit_the_window_are_refused_before_any_work(target, sharegpt, tmp_path):
+    with pytest.raises(ValueError, match="context window of 256"):
+        _distill(target, tmp_path / "out", sharegpt, DistillOptions(**{**vars(OPTIONS), "max_context": 253}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_corpus_prompts_mix_with_conversations(target, sharegpt, tmp_path):
+    (tmp_path / "corpus").mkdir()
+    corpus = write_tiny_corpus(tmp_path / "corpus", lines=600)
+    options = DistillOptions(**{**vars(OPTIONS), "source": "mixed", "count": 3, "domain": "code",
+                                "prompt_tokens": 20})
+    manifest = _distill(target, tmp_path / "out", sharegpt, options, corpus_dir=corpus)
+    names = [e["name"] for e in manifest["shards"]]
+    assert names == ["corpus-00000.npz", "corpus-00001.npz", "sharegpt-00000.npz", "sharegpt-00001.npz",
+                     "sharegpt-00002.npz"]
+    corpus_samples = [s for s in load_distilled(tmp_path / "out") if s.source == "corpus"]
+    assert [s.item for s in corpus_samples] == [0, 1, 2] and all(s.mask.sum() == 4 for s in corpus_samples)
+    assert [s.estimate for s in corpus_samples] == [part_of(f"code-{i}") == "estimate" for i in range(3)]
+    assert set(manifest["identity"]["files"]) == {"sharegpt_sha256", "corpus_sha256"}
+    with pytest.raises(ValueError, match="corpus folder"):
+        _distill(target, tmp_path / "other", sharegpt, options)
+
+
+def test_training_reads_a_distilled_folder(target, sharegpt, tmp_path):
+    _distill(target, tmp_path / "out", sharegpt)
+    tok = RoleChatTokenizer()
+    train = [s.ids.tolist() for s in load_distilled(tmp_path / "out", "train")]
+    chunks = training_chunks([tmp_path / "out"], tok, 16)
+    joined = [t for ids in train for t in ids]
+    assert chunks.shape == (len(joined) // 16, 16) and chunks.flatten().tolist() == joined[: chunks.numel()]
+    estimate = training_chunks([tmp_path / "out"], tok, 16, "estimate")
+    assert estimate.flatten().tolist() == next(load_distilled(tmp_path / "out", "estimate")).ids.tolist()[: estimate.numel()]
+    ids, mask = distilled_chunks(tmp_path / "out", 16)
+    assert torch.equal(ids, chunks) and mask.dtype == torch.bool
+    masks = [m for s in load_distilled(tmp_path / "out", "train") for m in s.mask.tolist()]
+    assert mask.flatten().tolist() == masks[: mask.numel()]
+    text = tmp_path / "data.txt"
+    text.write_text("abcdefgh\n" * 100)
+    both = training_chunks([text, tmp_path / "out"], tok, 16)  # text files and folders mix
+    assert both.shape[0] > chunks.shape[0]
+    check_data([text, tmp_path / "out"])
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ValueError, match="not a distilled folder"):
+        check_data([tmp_path / "plain"])
+    with pytest.raises(ValueError, match="estimate part .* fewer than one sequence"):
+        distilled_chunks(tmp_path / "out", 10_000, "estimate")
+
+
+def test_a_folder_made_with_another_tokenizer_is_refused(tmp_path):
+    from flashspec.training.shards import save_manifest
+
+    save_manifest(tmp_path, {"format": 1, "identity": {"tokenizer": {"size": 99}}, "shards": []})
+
+    class Sized(RoleChatTokenizer):
+        def __len__(self):
+            return 128
+
+    with pytest.raises(ValueError, match="tokenizer of 99 tokens"):
+        training_chunks([tmp_path], Sized(), 4)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        check_data([tmp_path])
+
+
+def test_the_command_writes_a_folder_continues_it_and_trains_on_it(sharegpt, tmp_path, capsys, monkeypatch):
+    from chat_tokenizer import save_tiny_chat_pair
+
+    from flashspec.cli import main
+
+    monkeypatch.setenv("FLASHSPEC_CACHE", str(tmp_path / "cache"))
+    target_dir, _ = save_tiny_chat_pair(tmp_path)
+    out = tmp_path / "distilled"
+    command = ["distill", "--target", str(target_dir), "--source", "sharegpt", "--sharegpt-file", str(sharegpt),
+               "--conversations", "5", "--max-turns", "2", "--max-context", "150", "--max-new-tokens", "4",
+               "--batch", "4", "--shard-size", "2", "--device", "cpu", "--dtype", "float32", "--out", str(out),
+               "--no-progress"]
+    assert main(command) == 0, capsys.readouterr().err
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"wrote {out}: 5 conversations") and "10 answers" in line and "40 answer tokens" in line
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["arguments"]["max_turns"] == 2 and manifest["arguments"]["out"] == str(out)
+    # this template renders every turn as a user turn: each turn is its own sample
+    assert manifest["totals"]["samples"] == 10
+    spy = GenerateSpy(monkeypatch)
+    assert main(command) == 0 and spy.calls == []  # the same command again: everything kept
+    assert capsys.readouterr().out.strip().splitlines()[-1] == line
+    assert main([*command[:-3], "--max-turns", "1", "--out", str(out)]) == 2
+    assert "other settings" in capsys.readouterr().err
+    assert main([*command, "--batch", "0"]) == 2 and "--batch must be" in capsys.readouterr().err
+    assert main(["distill", "--target", "t", "--source", "sharegpt", "--out", "x.txt"]) == 2
+    assert "give --out a folder" in capsys.readouterr().err
+    rc = main(["train-drafter", "--target", str(target_dir), "--data", str(out), "--out", str(tmp_path / "drafter"),
+               "--steps", "2", "--batch", "2", "--seq-len", "16", "--estimate-every", "1", "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    record = json.loads((tmp_path / "drafter" / "drafter.json").read_text())
+    assert record["training"]["tokens"] == 2 * 2 * 16
