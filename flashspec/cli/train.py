@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,15 @@ def add_parsers(sub: Any) -> None:
     train.add_argument("--estimate-every", type=int, default=50, help="steps between acceptance estimates")
     train.add_argument("--seed", type=int, default=0, help="sampling of the training sequences")
     train.add_argument("--unroll", type=int, default=3,
-                       help="feature: passes per step, each fed the previous pass's predicted features (1: none)")
-    train.add_argument("--feature-weight", type=float, default=1.0,
-                       help="feature: weight of a smooth-L1 loss between predicted and true features (EAGLE-1)")
+                       help="feature: passes per step, each fed the previous pass's predicted features (1: none; "
+                            "EAGLE-3 trains with up to 7)")
+    train.add_argument("--feature-weight", type=float, default=None,
+                       help="feature: weight of a smooth-L1 loss between predicted and true features (EAGLE-1; "
+                            "default 1, and 0 with --taps, which takes no other value)")
+    train.add_argument("--taps", nargs="?", const="eagle3", default=None, metavar="I,J,K",
+                       help="feature: fuse the outputs of these target decoder layers (0-based, e.g. 1,13,24) "
+                            "instead of reading its last layer (EAGLE-3); --taps alone: EAGLE-3's low, middle "
+                            "and high layers 1, L/2-1, L-4 (default: the last layer only)")
     train.add_argument("--max-minutes", type=float, default=None, help="stop training after this long (default: no limit)")
     add_device(train)
     train.set_defaults(run=train_drafter)
@@ -133,6 +140,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 def train_drafter(args: argparse.Namespace) -> None:
     """Train a drafter made from ``--target`` on ``--data`` and save it to ``--out``."""
     from ..drafters.checkpoint import load_head, save_drafter
+    from ..drafters.feature import default_taps
     from ..engine import SpeculativeEngine
     from ..training.data import check_data, training_chunks
     from ..training.train import (
@@ -143,36 +151,47 @@ def train_drafter(args: argparse.Namespace) -> None:
     )
 
     layers = args.layers if args.layers is not None else (1 if args.kind == "feature" else 2)
+    taps = _taps(args.taps)
     options = TrainOptions(layers=layers, shared_layers=args.shared_layers, head_width=args.head_width,
                            width=args.width, heads=args.heads, draft_vocab=args.draft_vocab, rank=args.rank,
                            unroll=args.unroll, feature_weight=args.feature_weight,
+                           taps=None if taps == "eagle3" else taps,
                            steps=args.steps, batch=args.batch, seq_len=args.seq_len,
                            lr_layers=args.lr_layers, lr_head=args.lr_head, hard_labels=args.hard_labels,
                            seed=args.seed, estimate_every=args.estimate_every,
                            max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)  # checked first
     if args.rank is not None and args.base is None:
         raise ValueError("--rank trains a low-rank delta over a base drafter: give --base DIR too.")
+    if taps is not None and args.kind != "feature":
+        raise ValueError("--taps (fused features) is an option of --kind feature only.")
+    if taps == "eagle3" and args.feature_weight:
+        raise ValueError("--feature-weight is for drafters on the target's last layer; leave it out with --taps.")
     check_data(args.data)
     engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device,
                                dtype=DTYPES[args.dtype] if args.dtype else None)
     if engine.tokenizer is None:
         raise ValueError("Training reads text: give --tokenizer (none could be loaded with the target).")
+    if taps == "eagle3":
+        options = replace(options, taps=default_taps(engine.target.config.num_hidden_layers))
     base = load_head(args.base, engine.target, args.kind) if args.base else None
     from ..paths import cache_dir
 
     tokens = cache_dir() / "tokens"  # each data file tokenized once, for every drafter trained on it
-    chunks = training_chunks(args.data, engine.tokenizer, options.seq_len, "train", tokens)
-    estimate = training_chunks(args.data, engine.tokenizer, options.seq_len, "estimate", tokens)[: 4 * options.batch]
-    print(f"training on {chunks.numel():,} tokens ({len(chunks)} sequences of {options.seq_len}); "
-          f"acceptance estimated on {estimate.numel():,}")
+    chunks, mask = training_chunks(args.data, engine.tokenizer, options.seq_len, "train", tokens)
+    estimate, estimate_mask = (t[: 4 * options.batch] for t in training_chunks(
+        args.data, engine.tokenizer, options.seq_len, "estimate", tokens))
+    print(f"training on {chunks.numel():,} tokens ({len(chunks)} sequences of {options.seq_len}, "
+          f"{int(mask[:, 1:].sum()):,} of them targets of the loss); acceptance estimated on {estimate.numel():,}")
     eos = engine.target.generation_config.eos_token_id
     always = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    head, log = train_head(args.kind, engine.target, chunks, options, estimate=estimate, base=base, always=always)
+    head, log = train_head(args.kind, engine.target, chunks, options, estimate=estimate, base=base, always=always,
+                           mask=mask, estimate_mask=estimate_mask)
     delta = args.rank is not None
     if args.base and not delta:  # the whole drafter trained further: a new full checkpoint, its history kept
         log["before"] = continued_record(args.base)
     out = save_drafter(head, engine.target, args.out, log, storage=args.storage, base=args.base if delta else None)
-    saved = estimate_acceptance(load_head(out, engine.target, args.kind), engine.target, estimate, options.batch)
+    saved = estimate_acceptance(load_head(out, engine.target, args.kind), engine.target, estimate, options.batch,
+                                estimate_mask)
     record = json.loads((out / "drafter.json").read_text())
     record["training"]["alpha1_saved"] = saved[0]  # the checkpoint as saved (int8 rows, merged deltas)
     record["training"]["alpha_saved"] = saved
@@ -182,6 +201,17 @@ def train_drafter(args: argparse.Namespace) -> None:
     print(f"saved {out} ({size / 1e6:.1f} MB) after {log['seconds']:.0f} s, {log['tokens']:,} tokens; "
           f"final loss {log['loss'][-1]:.3f}, α by draft depth {last} (as saved: {'/'.join(f'{a:.3f}' for a in saved)}); "
           f"use it as --draft {args.kind}:{out}")
+
+
+def _taps(value: str | None) -> tuple[int, ...] | str | None:
+    """``--taps``: None (not given), ``"eagle3"`` (given alone: EAGLE-3's, once the target's depth
+    is known) or the layer indices it lists."""
+    if value is None or value == "eagle3":
+        return value
+    try:
+        return tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(f"--taps takes decoder-layer indices separated by commas, e.g. 1,13,24; got {value!r}.") from None
 
 
 def distill_command(args: argparse.Namespace) -> None:
@@ -244,6 +274,10 @@ def _summary(out: str, manifest: dict[str, Any]) -> str:
     what = " and ".join(f"{n:,} {'conversations' if source == 'sharegpt' else 'corpus prompts'}"
                         for source, n in answered.items() if n or source == manifest["identity"]["options"]["source"])
     skipped = f" ({t['skipped']:,} skipped: first context over --max-context)" if t["skipped"] else ""
+    sets = manifest["identity"]["files"].get("evaluation_sets_left_out")
+    if sets is not None:
+        skipped += (f"; {manifest.get('evaluation_overlap_dropped', 0):,} conversations left out for quoting "
+                    f"{' or '.join(sets)}" if sets else "; not checked against MT-bench or HumanEval (not cached)")
     return (f"wrote {out}: {what or 'nothing'} answered{skipped}, {t['answers']:,} answers ({t['answers_cut']:,} cut at "
             f"--max-new-tokens), {t['answer_tokens']:,} answer tokens of {t['tokens']:,}, {t['samples']:,} samples "
             f"in {t['shards']} shards, {t['seconds']:.0f} s generating; train on it with "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -33,9 +34,10 @@ from . import registry
 from .corpus import DOMAINS, chat_requests
 
 __all__ = ["DEFAULT_COUNTS", "HUMANEVAL", "HUMANEVAL_CHAT", "HUMANEVAL_STYLES", "MTBENCH", "MTBENCH_CATEGORIES",
-           "WORKLOADS", "Problem", "Question", "WorkloadRequest", "add_second_turns", "chat_ids", "corpus_requests",
-           "describe", "humaneval_file", "humaneval_requests", "interleave", "load", "mtbench_file",
-           "mtbench_requests", "read_humaneval", "read_mtbench", "second_turn"]
+           "Problem", "Question", "WORKLOADS", "WorkloadRequest", "add_second_turns", "chat_ids",
+           "contains_passage", "corpus_requests", "describe", "evaluation_passages", "humaneval_file",
+           "humaneval_requests", "interleave", "load", "mtbench_file", "mtbench_requests", "read_humaneval",
+           "read_mtbench", "second_turn"]
 
 WORKLOADS = ("mt-bench", "humaneval", "corpus", "mixed")
 # Items a workload has when no count is given: None is the whole set; the corpus has no natural size.
@@ -320,3 +322,36 @@ def describe(workload: str, requests: list[WorkloadRequest]) -> str:
     if co:
         parts.append(f"{co} held-out corpus requests")
     return f"{workload}, {len(requests)} requests: " + ", ".join(parts)
+
+
+# ----------------------------------------------------------------------------- keeping them out of training
+def _plain(text: str) -> str:
+    return re.sub(r"\W+", " ", text.lower()).strip()
+
+
+def evaluation_passages(mtbench: str | Path | None = None, humaneval: str | Path | None = None,
+                        fetch: bool = False) -> tuple[list[str], list[str]]:
+    """Passages of the evaluation sets that training text must not contain, and the sets they
+    come from: each MT-bench turn's first 80 characters and each HumanEval prompt's last 120
+    (lower-cased, punctuation folded to spaces). A set whose file is neither given, nor in
+    ``$FLASHSPEC_MTBENCH`` / ``$FLASHSPEC_HUMANEVAL``, nor cached is skipped unless ``fetch``."""
+    passages: list[str] = []
+    checked: list[str] = []
+    for name, given, env, spec, read, cut in (
+        ("mt-bench", mtbench, "FLASHSPEC_MTBENCH", MTBENCH, read_mtbench, lambda q: [t[:80] for t in map(_plain, q.turns)]),
+        ("humaneval", humaneval, "FLASHSPEC_HUMANEVAL", HUMANEVAL, read_humaneval, lambda p: [_plain(p.prompt)[-120:]]),
+    ):
+        cached = registry.benchmarks_dir() / spec.filename
+        if given is None and not os.environ.get(env) and not cached.is_file() and not fetch:
+            continue
+        path = _resolve(given, env, spec, name)
+        passages += [text for item in read(path) for text in cut(item) if len(text) >= 30]
+        checked.append(name)
+    return passages, checked
+
+
+def contains_passage(text: str, passages: Sequence[str]) -> bool:
+    """Whether ``text`` (normalized as the passages are) contains any of ``passages``."""
+    plain = _plain(text)
+    return any(p in plain for p in passages)
+

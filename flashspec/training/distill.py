@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ..checks import check_int, check_number
 from ..data.sharegpt import part_of, read_sharegpt, sha256_of_file
+from ..data.workloads import contains_passage, evaluation_passages
 from ..data.sharegpt import sharegpt_file as locate_sharegpt
 from .conversations import Item, Tally, answer_items, derived_seed
 from .shards import finished, open_manifest, save_manifest, shard_name, write_shard
@@ -162,7 +163,8 @@ def distill_folder(
     if window is not None and options.max_context + options.max_new_tokens > window:
         raise ValueError(f"max_context ({options.max_context}) plus max_new_tokens ({options.max_new_tokens}) "
                          f"exceeds the target's context window of {window} tokens.")
-    sources, files = _sources(options, engine.tokenizer, sharegpt_file, corpus_dir)
+    overlap = {"dropped": 0}
+    sources, files = _sources(options, engine.tokenizer, sharegpt_file, corpus_dir, overlap)
     identity = {"options": options.relevant(), "target_sha256": weights_sha256(engine.target),
                 "tokenizer": _tokenizer_identity(engine.tokenizer), "files": files}
     manifest = open_manifest(out, identity)
@@ -187,6 +189,9 @@ def distill_folder(
                 _make_shard(engine, out, manifest, options, source, number, group, batch, show)
     finally:
         bar.close()
+    if "evaluation_sets_left_out" in files:
+        manifest["evaluation_overlap_dropped"] = manifest.get("evaluation_overlap_dropped", 0) + overlap["dropped"]
+        save_manifest(out, manifest)
     return manifest
 
 
@@ -239,14 +244,20 @@ def _tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
 
 
 def _sources(options: DistillOptions, tokenizer: Any, sharegpt_file: str | Path | None,
-             corpus_dir: str | Path | None) -> tuple[list[tuple[str, Iterator[Item] | list[Item], int]], dict]:
-    """``(source, items, count)`` per source of ``options``, and the checksums of the files read."""
+             corpus_dir: str | Path | None, overlap: dict[str, int] | None = None,
+             ) -> tuple[list[tuple[str, Iterator[Item] | list[Item], int]], dict]:
+    """``(source, items, count)`` per source of ``options``, and the checksums of the files read
+    (with the evaluation sets whose passages are left out; ``overlap["dropped"]`` counts the
+    conversations that held one)."""
     sources: list[tuple[str, Any, int]] = []
     files: dict[str, Any] = {}
     if options.source in ("sharegpt", "mixed"):
         path = locate_sharegpt(sharegpt_file)
         files["sharegpt_sha256"] = sha256_of_file(path)
-        sources.append(("sharegpt", _conversations(path, options.conversations), options.conversations))
+        passages, checked = evaluation_passages()
+        files["evaluation_sets_left_out"] = checked
+        sources.append(("sharegpt", _conversations(path, options.conversations, passages, overlap),
+                        options.conversations))
     if options.source in ("corpus", "mixed"):
         from ..data.corpus import DOMAINS
 
@@ -264,10 +275,20 @@ def _sources(options: DistillOptions, tokenizer: Any, sharegpt_file: str | Path 
     return sources, files
 
 
-def _conversations(path: Path, count: int) -> Iterator[Item]:
+def _conversations(path: Path, count: int, passages: list[str] = (), overlap: dict | None = None) -> Iterator[Item]:
     """The first ``count`` ShareGPT conversations that start with a user turn, as items of their
-    user turns (the recorded answers are never used)."""
-    chosen = ((key, messages) for key, messages in read_sharegpt(path) if messages[0]["role"] == "user")
+    user turns (the recorded answers are never used). A conversation whose user turns contain a
+    passage of an evaluation set (:func:`~flashspec.data.workloads.evaluation_passages`) is left
+    out and counted in ``overlap["dropped"]``: MT-bench and HumanEval are never trained on."""
+    def clean(messages: list[dict[str, str]]) -> bool:
+        if passages and any(contains_passage(m["content"], passages) for m in messages if m["role"] == "user"):
+            if overlap is not None:
+                overlap["dropped"] += 1
+            return False
+        return True
+
+    chosen = ((key, messages) for key, messages in read_sharegpt(path)
+              if messages[0]["role"] == "user" and clean(messages))
     for key, messages in itertools.islice(chosen, count):
         yield Item(key, turns=tuple(m["content"] for m in messages if m["role"] == "user"))
 

@@ -21,7 +21,7 @@ from distill_helpers import (
 from tiny_models import tiny_model, write_tiny_corpus
 
 from flashspec.data.sharegpt import part_of, sha256_of_file
-from flashspec.training.data import check_data, distilled_chunks, training_chunks
+from flashspec.training.data import check_data, distilled_chunks, sample_windows, training_chunks
 from flashspec.training.distill import DistillOptions, distill_folder, weights_sha256
 from flashspec.training.shards import load_distilled, read_manifest
 
@@ -174,34 +174,37 @@ def test_corpus_prompts_mix_with_conversations(target, sharegpt, tmp_path):
     corpus_samples = [s for s in load_distilled(tmp_path / "out") if s.source == "corpus"]
     assert [s.item for s in corpus_samples] == [0, 1, 2] and all(s.mask.sum() == 4 for s in corpus_samples)
     assert [s.estimate for s in corpus_samples] == [part_of(f"code-{i}") == "estimate" for i in range(3)]
-    assert set(manifest["identity"]["files"]) == {"sharegpt_sha256", "corpus_sha256"}
+    assert set(manifest["identity"]["files"]) == {"sharegpt_sha256", "corpus_sha256", "evaluation_sets_left_out"}
     with pytest.raises(ValueError, match="corpus folder"):
         _distill(target, tmp_path / "other", sharegpt, options)
 
 
 def test_training_reads_a_distilled_folder(target, sharegpt, tmp_path):
+    """Training reads a folder's train part as windows of one sample each, with the loss mask on
+    the target's answers (tests/training/test_loss_mask.py tests the windows themselves)."""
     _distill(target, tmp_path / "out", sharegpt)
     tok = RoleChatTokenizer()
-    train = [s.ids.tolist() for s in load_distilled(tmp_path / "out", "train")]
-    chunks = training_chunks([tmp_path / "out"], tok, 16)
-    joined = [t for ids in train for t in ids]
-    assert chunks.shape == (len(joined) // 16, 16) and chunks.flatten().tolist() == joined[: chunks.numel()]
-    estimate = training_chunks([tmp_path / "out"], tok, 16, "estimate")
-    assert estimate.flatten().tolist() == next(load_distilled(tmp_path / "out", "estimate")).ids.tolist()[: estimate.numel()]
-    ids, mask = distilled_chunks(tmp_path / "out", 16)
-    assert torch.equal(ids, chunks) and mask.dtype == torch.bool
-    masks = [m for s in load_distilled(tmp_path / "out", "train") for m in s.mask.tolist()]
-    assert mask.flatten().tolist() == masks[: mask.numel()]
+    train = list(load_distilled(tmp_path / "out", "train"))
+    chunks, mask = training_chunks([tmp_path / "out"], tok, 16)
+    expected = sample_windows(train, 16)
+    assert torch.equal(chunks, expected[0]) and torch.equal(mask, expected[1]) and mask.dtype == torch.bool
+    assert int(mask[:, 1:].sum()) == sum(int(s.mask[1:].sum()) for s in train)  # each answer token scored once
+    estimate, estimate_mask = training_chunks([tmp_path / "out"], tok, 16, "estimate")
+    held = list(load_distilled(tmp_path / "out", "estimate"))
+    assert all(torch.equal(a, b) for a, b in zip((estimate, estimate_mask), sample_windows(held, 16)))
+    ids, answers = distilled_chunks(tmp_path / "out", 16)
+    assert torch.equal(ids, chunks) and torch.equal(answers, mask)
     text = tmp_path / "data.txt"
     text.write_text("abcdefgh\n" * 100)
-    both = training_chunks([text, tmp_path / "out"], tok, 16)  # text files and folders mix
-    assert both.shape[0] > chunks.shape[0]
+    both, both_mask = training_chunks([text, tmp_path / "out"], tok, 16)  # text files and folders mix
+    assert torch.equal(both[-len(chunks):], chunks) and bool(both_mask[: len(both) - len(chunks)].all())
     check_data([text, tmp_path / "out"])
     (tmp_path / "plain").mkdir()
     with pytest.raises(ValueError, match="not a distilled folder"):
         check_data([tmp_path / "plain"])
-    with pytest.raises(ValueError, match="estimate part .* fewer than one sequence"):
-        distilled_chunks(tmp_path / "out", 10_000, "estimate")
+    long, long_mask = distilled_chunks(tmp_path / "out", 10_000, "estimate")  # one padded row per sample
+    assert len(long) == sum(1 for s in held if s.mask[1:].any()) and long[0, : len(held[0].ids)].tolist() == held[0].ids.tolist()
+    assert not bool(long_mask[0, len(held[0].ids):].any())
 
 
 def test_a_folder_made_with_another_tokenizer_is_refused(tmp_path):
@@ -252,3 +255,23 @@ def test_the_command_writes_a_folder_continues_it_and_trains_on_it(sharegpt, tmp
     assert rc == 0, capsys.readouterr().err
     record = json.loads((tmp_path / "drafter" / "drafter.json").read_text())
     assert record["training"]["tokens"] == 2 * 2 * 16
+
+
+def test_conversations_that_quote_an_evaluation_set_are_left_out(target, tmp_path, monkeypatch):
+    """MT-bench and HumanEval are never trained on: a ShareGPT conversation whose user turn holds
+    an MT-bench turn is dropped before the target answers it, and the manifest counts it."""
+    turn = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences."
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": [turn, "Rewrite it."]}) + "\n")
+    monkeypatch.setenv("FLASHSPEC_MTBENCH", str(questions))
+    monkeypatch.setenv("FLASHSPEC_CACHE", str(tmp_path / "cache"))  # no cached HumanEval: that set is skipped
+    ids = keys(3, "train")
+    records = [record(ids[0], ["question 0"]), record(ids[1], [f"Please help. {turn.upper()} Thanks!"]),
+               record(ids[2], ["question 2"])]
+    path = write_sharegpt(tmp_path / "sg.json", records)
+    options = DistillOptions(source="sharegpt", conversations=3, max_turns=1, max_context=150, max_new_tokens=4,
+                             shard_size=4)
+    manifest = _distill(target, tmp_path / "out", path, options)
+    assert sorted({s.item for s in load_distilled(tmp_path / "out")}) == [0, 1]  # two conversations, the clean ones
+    assert manifest["identity"]["files"]["evaluation_sets_left_out"] == ["mt-bench"]
+    assert manifest["evaluation_overlap_dropped"] == 1
