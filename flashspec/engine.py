@@ -24,7 +24,7 @@ from .decode.loop import decode
 from .decode.request import MAX_TOKENS_WITHOUT_WINDOW, Request, parse_engine_options, parse_request
 from .decode.warmup import warm_up
 from .decode.workspace import Plan, Workspace, workspace_shape
-from .drafters.base import Drafter, ReadsFeatures
+from .drafters.base import Drafter, features_read
 from .drafters.feature import FeatureDrafter
 from .drafters.model import ModelDrafter
 from .drafters.shallow import ShallowDrafter
@@ -167,7 +167,7 @@ class SpeculativeEngine:
         if reuse_shallow:
             self._check_reuse()
         # The layer counts after which drafters read the target's features (SPEC.md §11).
-        self._feature_layers = tuple(sorted({d.feature_layer for d in self.drafters if isinstance(d, ReadsFeatures)}))
+        self._feature_layers = features_read(self.drafters, getattr(self.target.config, "num_hidden_layers", None))
         gammas = options.gammas
         # Arms: (drafter index, γ or None for generate's num_draft_tokens); the target-only arm is
         # (None, 0), last (SPEC.md §8).

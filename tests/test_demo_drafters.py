@@ -41,8 +41,10 @@ def test_each_committed_drafter_is_whole_small_and_names_its_target(domain):
 def test_each_committed_drafter_loads_as_the_design_it_records(domain):
     general = _meta("general")
     tensors = _read_tensors(DEMO_DRAFTERS / "general")
-    head = FeatureHead(TARGET, general["layers"], general["width"], general["heads"], tensors["vocab"])
+    head = FeatureHead(TARGET, general["layers"], general["width"], general["heads"], tensors["vocab"],
+                       general.get("taps"))
     head.load_state_dict(tensors)  # strict: every tensor of the design, no other
+    assert head.taps is None and head.fuse is None  # made before taps: the last-layer drafter it always was
     assert head.vocab.numel() == general["vocab"] == 32768
     before = head.fc.weight.detach().clone()
     if domain != "general":

@@ -108,7 +108,25 @@ def _compact_checkpoint() -> str:
     return folder
 
 
+def _fused_checkpoint() -> str:
+    """An untrained (seeded) fused-feature drafter for TARGET (SPEC.md §11, "Fused features"): it
+    reads both layers' outputs, the last one first (the taps' order is the order fuse reads them)."""
+    import tempfile
+
+    from flashspec import FeatureHead
+    from flashspec.drafters.checkpoint import save_drafter
+
+    folder = tempfile.mkdtemp(prefix="flashspec-fused-")
+    torch.manual_seed(14)
+    head = FeatureHead(TARGET.config, 1, taps=(1, 0))
+    with torch.no_grad():
+        head.fuse.weight.mul_(4.0)  # a fused feature that moves the law
+    save_drafter(head, TARGET, folder)
+    return folder
+
+
 FEATURE = _feature_checkpoint()
+FUSED = _fused_checkpoint()
 COMPACT = _compact_checkpoint()
 SHALLOW = _shallow_checkpoint()
 
@@ -182,6 +200,7 @@ DRAFTERS = {
     "early-exit": lambda: "early-exit:1",  # the target's first layer, sharing its cache: p != q
     "early-exit-all": lambda: "early-exit:2",  # every layer: p == q up to rounding
     "feature": lambda: f"feature:{FEATURE}",  # reads the target's features: p != q
+    "feature-fused": lambda: f"feature:{FUSED}",  # reads several of its layers (EAGLE-3): p != q
     "shallow": lambda: f"shallow:{SHALLOW}",  # the target's first layer and an adapter: p != q
     "compact": lambda: f"feature:{COMPACT}",  # a draft vocabulary: q is 0 on 3 of the 8 tokens
     "none": lambda: None,  # target-only decoding through the same loop
@@ -205,6 +224,8 @@ CASES = [
     ("early-exit-all", 0.6, 0, 0.8, 2),
     ("feature", 0.8, 5, 0.9, 1),
     ("feature", 1.2, 0, 1.0, 3),
+    ("feature-fused", 0.9, 0, 0.9, 3),
+    ("feature-fused", 1.2, 5, 1.0, 1),
     ("shallow", 0.7, 0, 0.85, 1),
     ("shallow", 1.1, 6, 1.0, 3),
     ("compact", 0.8, 0, 0.9, 3),
@@ -221,7 +242,7 @@ def test_engine_samples_the_exact_target_law(drafter, temperature, top_k, top_p,
     assert pvalue > ALPHA, f"χ² p-value {pvalue:.2e}: output law differs from the target's"
     if drafter in ("self", "early-exit-all"):
         assert run_stats.acceptance_rate > 0.99
-    if drafter in ("noisy", "independent", "ngram", "store", "early-exit", "feature", "shallow"):
+    if drafter in ("noisy", "independent", "ngram", "store", "early-exit", "feature", "feature-fused", "shallow"):
         assert 0.0 < run_stats.acceptance_rate < 1.0  # both the accept and the reject paths ran
 
 

@@ -569,23 +569,32 @@ def test_a_checkpoint_trained_in_bfloat16_loads_onto_the_same_target_in_float32(
 
 
 # ------------------------------------------------------------------ unrolled training (SPEC.md §11.6)
-def test_unrolled_passes_compute_what_the_drafter_computes_at_each_draft_depth():
+@pytest.mark.parametrize("taps", [None, (1, 0)])
+def test_unrolled_passes_compute_what_the_drafter_computes_at_each_draft_depth(taps):
     """Pass j at position t, through chain_mask, equals the j-th draft of a chain begun at
     t − j + 1 computed the inference way: one growing causal sequence whose later inputs are the
-    drafter's own predicted features."""
+    drafter's own predicted features (with taps, the first fed the fused feature, §11.8)."""
     from flashspec.training.train import _passes
 
     model = tiny_model("qwen2", seed=2, vocab_size=64)
-    head = _compact_head(model, seed=3)
+    torch.manual_seed(3)
+    head = FeatureHead(model.config, 1, width=24, heads=2, taps=taps)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(3.0)
     draft = head.draft_model(model)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        captured = []  # the target's features: its last layer's output, before the norm
-        hook = model.model.norm.register_forward_pre_hook(lambda m, a: captured.append(a[0]))
+        captured = {}  # the target's features: its last layer's output before the norm, or the taps' outputs
+        hooks = [model.model.norm.register_forward_pre_hook(lambda m, a: captured.setdefault("last", a[0]))]
+        hooks += [model.model.layers[t].register_forward_hook(lambda m, a, out, t=t: captured.setdefault(t, out))
+                  for t in taps or ()]
         model(ids)
-        hook.remove()
-        features = captured[-1]
+        for hook in hooks:
+            hook.remove()
+        features = captured["last"] if taps is None else torch.cat([captured[t] for t in taps], dim=-1)
         logits, _ = _passes(head, draft, model, ids, features, 3)
+        features = head.fused(features)  # the feature the drafter starts from
         pre = []
         hook = draft.model.norm.register_forward_pre_hook(lambda m, a: pre.append(a[0]))
         embeddings = model.model.embed_tokens(ids)

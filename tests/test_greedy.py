@@ -34,7 +34,8 @@ PROMPTS = (
     (3, 8, 3, 8, 3, 8, 3),
     (40, 41, 42, 43, 40, 41, 42, 43, 40, 41, 42, 43),
 )
-DRAFTERS = ("model", "ngram", "self", "early-exit", "feature", "none")
+DRAFTERS = ("model", "ngram", "self", "early-exit", "feature", "feature-fused", "none")
+FROM_TARGET = ("early-exit", "feature", "feature-fused")  # drafters made from the target: the static cache
 GAMMAS = (1, 4)
 NOISE = 0.05  # relative weight noise of the model drafter: accepts about half its drafts
 
@@ -70,13 +71,30 @@ def feature_checkpoint(arch: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def fused_checkpoint(arch: str) -> str:
+    """An untrained (seeded) fused-feature drafter (SPEC.md §11, "Fused features") tapping EAGLE-3's
+    layers of the architecture's target (both of its 2 layers), saved once."""
+    import tempfile
+
+    from flashspec.drafters.checkpoint import save_drafter
+    from flashspec.drafters.feature import default_taps
+
+    folder = tempfile.mkdtemp(prefix=f"flashspec-fused-{arch}-")
+    torch.manual_seed(100 + ARCHITECTURES.index(arch))
+    model = target_model(arch)
+    head = flashspec.FeatureHead(model.config, 1, taps=default_taps(model.config.num_hidden_layers))
+    save_drafter(head, model, folder)
+    return folder
+
+
+@functools.lru_cache(maxsize=None)
 def noisy_drafter(arch: str):
     return noisy_copy(target_model(arch), NOISE, seed=1000 + ARCHITECTURES.index(arch))
 
 
 def make_engine(arch: str, drafter: str) -> flashspec.SpeculativeEngine:
     target = target_model(arch)
-    if drafter in ("early-exit", "feature") and not StaticLM.supports(target):
+    if drafter in FROM_TARGET and not StaticLM.supports(target):
         pytest.skip("drafters made from the target run over the static cache (Llama, Qwen2, Qwen3, Mistral)")
     drafters = {
         "model": lambda: noisy_drafter(arch),  # an independent model: agrees often, not always
@@ -84,6 +102,7 @@ def make_engine(arch: str, drafter: str) -> flashspec.SpeculativeEngine:
         "self": lambda: target,  # drafter == target: every draft must be accepted
         "early-exit": lambda: "early-exit:1",  # the target's first layer, sharing its cache (SPEC §11)
         "feature": lambda: f"feature:{feature_checkpoint(arch)}",  # untrained: reads the target's features
+        "feature-fused": lambda: f"feature:{fused_checkpoint(arch)}",  # reads several of its layers (EAGLE-3)
         "none": lambda: [],  # target-only decoding through the same loop
     }[drafter]()
     return flashspec.SpeculativeEngine(target, drafters, device="cpu")
@@ -328,7 +347,7 @@ def test_row_ending_at_the_context_window(arch, drafter):
     ),
 )
 def test_random_batches_match_hf_generate(arch, drafter, gamma, max_new_tokens, layout, prompts):
-    assume(drafter not in ("early-exit", "feature") or StaticLM.supports(target_model(arch)))  # static cache
+    assume(drafter not in FROM_TARGET or StaticLM.supports(target_model(arch)))  # static cache
     engine = make_engine(arch, drafter)
     got, _ = run(engine, layout, prompts, max_new_tokens=max_new_tokens, num_draft_tokens=gamma, eos_token_id=[])
     expected = [hf_greedy(arch, p, NEW_TOKENS)[:max_new_tokens] for p in prompts]

@@ -383,8 +383,7 @@ def test_model_and_feature_drafters_say_how_wide_their_next_catch_up_is(tmp_path
     engine = SpeculativeEngine(TARGET, [noisy_copy(TARGET, 0.05, 1), f"feature:{tmp_path}", "ngram"],
                                selector="fixed")
     tokens = torch.randint(0, 50, (1, 256))
-    feature_layer = engine.drafters[1].feature_layer
-    hidden = {feature_layer: torch.zeros(1, 256, TARGET.config.hidden_size)}
+    hidden = {n: torch.zeros(1, 256, TARGET.config.hidden_size) for n in engine.drafters[1].feature_layers}
     params = SamplingParams()
 
     def history(length: int) -> History:

@@ -26,25 +26,25 @@ CONTEXT = 256
 INIT = 0.2
 
 
-def _llama(vocab: int) -> transformers.PretrainedConfig:
+def _llama(vocab: int, layers: int = LAYERS) -> transformers.PretrainedConfig:
     return transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
         num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=CONTEXT,
         initializer_range=INIT, tie_word_embeddings=False,
     )
 
 
-def _qwen2(vocab: int) -> transformers.PretrainedConfig:
+def _qwen2(vocab: int, layers: int = LAYERS) -> transformers.PretrainedConfig:
     return transformers.Qwen2Config(
-        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
         num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=CONTEXT,
         initializer_range=INIT, use_sliding_window=False, sliding_window=None, tie_word_embeddings=False,
     )
 
 
-def _mistral(vocab: int) -> transformers.PretrainedConfig:
+def _mistral(vocab: int, layers: int = LAYERS) -> transformers.PretrainedConfig:
     return transformers.MistralConfig(
-        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
         num_attention_heads=HEADS, num_key_value_heads=2, head_dim=HIDDEN // HEADS,
         max_position_embeddings=CONTEXT, initializer_range=INIT, sliding_window=None,
         tie_word_embeddings=False,
@@ -107,12 +107,13 @@ _CONFIGS = {
 ARCHITECTURES = tuple(_CONFIGS)
 
 
-def tiny_model(arch: str, seed: int = 0, vocab_size: int = 128) -> PreTrainedModel:
+def tiny_model(arch: str, seed: int = 0, vocab_size: int = 128, layers: int | None = None) -> PreTrainedModel:
     """A 2-layer random-weight causal LM of architecture ``arch`` (one of :data:`ARCHITECTURES`),
-    float32, eval mode, with no EOS in its generation config. Deterministic in ``seed``."""
+    float32, eval mode, with no EOS in its generation config. Deterministic in ``seed``.
+    ``layers``: another depth (llama, qwen2 and mistral only: deeper targets for fused features)."""
     if arch not in _CONFIGS:
         raise ValueError(f"Unknown architecture {arch!r}; known: {', '.join(ARCHITECTURES)}.")
-    config = _CONFIGS[arch](vocab_size)
+    config = _CONFIGS[arch](vocab_size) if layers is None else _CONFIGS[arch](vocab_size, layers)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to(torch.float32).eval()

@@ -70,8 +70,8 @@ class History:
     # A host-side fact, so a drafter can size its work without reading tensors back:
     max_length: int | None = None  # an upper bound on length.max() (None: tokens.shape[1])
     # {n: [B, capacity, hidden]}: the target's features after its first n layers (all of them:
-    # before its final norm) at every committed position but the pending one; only for drafters
-    # that read them (ReadsFeatures: n is their ``feature_layer``).
+    # before its final norm) at every committed position but the pending one; for the n that
+    # drafters read (ReadsFeatures: the union of their ``feature_layers``).
     hidden: dict[int, torch.Tensor] | None = None
     # The engine's per-step growth bounds (None: measure growth by max_length alone).
     growth: Growth | None = None
@@ -167,11 +167,24 @@ class CapturesJoins(Protocol):
 
 @runtime_checkable
 class ReadsFeatures(Protocol):
-    """A drafter handed the target's features after its first ``feature_layer`` layers in
-    ``History.hidden[feature_layer]``, written by the target's own forwards with no host
-    synchronisation (SPEC.md §11)."""
+    """A drafter handed the target's features after its first ``n`` layers, for each ``n`` of
+    ``feature_layers`` (``1 … L``; ``L``: before the final norm), in ``History.hidden[n]``. The
+    engine asks the target's prefill and verify forwards for the union over its drafters, once;
+    they write them with no host synchronisation (SPEC.md §11)."""
 
-    feature_layer: int
+    feature_layers: tuple[int, ...]
+
+
+def features_read(drafters: Sequence[object], layers: int | None) -> tuple[int, ...]:
+    """The layer counts whose features the engine asks the target for: the union of the
+    ``feature_layers`` of ``drafters`` that read features (:class:`ReadsFeatures`), sorted;
+    ``ValueError`` for one outside ``1 … layers`` (the target's decoder layers, where known)."""
+    wanted = {n for d in drafters if isinstance(d, ReadsFeatures) for n in d.feature_layers}
+    for n in wanted:
+        if not (isinstance(n, int) and 1 <= n <= (layers or n)):
+            raise ValueError(f"A drafter reads the target's features after {n!r} layers; the target has "
+                             f"{layers} (feature_layers must hold integers from 1 to {layers}).")
+    return tuple(sorted(wanted))
 
 
 @runtime_checkable

@@ -1,8 +1,8 @@
 """Drafter checkpoints (SPEC.md §11): ``drafter.safetensors`` holds only the trainable part,
-``drafter.json`` its kind and size, the target it belongs to and a checksum of the target
-tensors it shares, so that loading it onto another target is a clear error. Matrices are stored
-as int8 rows with a scale each unless asked otherwise; a per-domain drafter may be a low-rank
-delta over a base checkpoint (:mod:`flashspec.drafters.low_rank`)."""
+``drafter.json`` its kind and size (a fused-feature drafter's ``taps`` too), the target it belongs
+to and a checksum of the target tensors it shares, so that loading it onto another target is a
+clear error. Matrices are stored as int8 rows with a scale each unless asked otherwise; a
+per-domain drafter may be a low-rank delta over a base checkpoint (:mod:`flashspec.drafters.low_rank`)."""
 
 from __future__ import annotations
 
@@ -174,12 +174,19 @@ def load_head(path: str | Path, target: Any, kind: str | None = None) -> Any:
             what = "its shared weights differ" if key == "shared_sha256" else f"{key} {theirs.get(key)!r} ≠ {mine[key]!r}"
             raise ValueError(f"The drafter in {str(folder)!r} was trained for another target "
                              f"({theirs.get('name_or_path') or 'unnamed'}): {what}.")
+    taps = meta.get("taps")  # fused features (SPEC.md §11); absent or None: the last layer's
+    layers = target.config.num_hidden_layers
+    if taps is not None and not (isinstance(taps, list) and taps and all(isinstance(t, int) and 0 <= t < layers
+                                                                          for t in taps)):
+        raise ValueError(f"The drafter in {str(folder)!r} reads the target's decoder layers {taps!r} (taps, "
+                         f"0-based); this target has {layers} decoder layers: it was made for another target.")
     tensors = read_tensors(folder)
     if meta["kind"] == "shallow":
         head: Any = ShallowHead(target.config, shared, int(meta["layers"]), int(meta["head_width"]))
     else:
         vocab = tensors.get("vocab")
-        head = FeatureHead(target.config, int(meta["layers"]), meta.get("width"), meta.get("heads"), vocab)
+        head = FeatureHead(target.config, int(meta["layers"]), meta.get("width"), meta.get("heads"), vocab,
+                           None if taps is None else tuple(taps))
     try:
         head.load_state_dict(tensors)
     except Exception as error:  # noqa: BLE001 - a truncated or foreign file

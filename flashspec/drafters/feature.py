@@ -1,11 +1,13 @@
 """A drafter that reads the target's own features (EAGLE family, SPEC.md §11).
 
-At position ``t`` its input is ``fc([f_{t-1}; e_t])``: the target's last-layer feature (its last
-decoder layer's output, before the final norm) at the previous position, and the embedding of
-the token at ``t``. One trained decoder layer of the target's own architecture follows, then the
-target's final norm and output head (shared, not copied). The layer's output is the predicted
-feature at ``t``; the head turns it into the law of the token at ``t + 1``, and the next draft
-feeds that predicted feature back in.
+At position ``t`` its input is ``fc([f_{t-1}; e_t])``: the target's feature at the previous
+position, and the embedding of the token at ``t``. The feature is the target's last decoder
+layer's output (before the final norm), or with ``taps`` (EAGLE-3, SPEC.md §11 "Fused features")
+``fuse([h_a; h_b; …])``, the outputs of the tapped decoder layers projected to the hidden size.
+One trained decoder layer of the target's own architecture follows, then the target's final norm
+and output head (shared, not copied). The layer's output is the predicted feature at ``t``; the
+head turns it into the law of the token at ``t + 1``, and the next draft feeds that predicted
+feature back in, in place of the target's.
 
 The engine hands the target's features of committed positions over in ``History.hidden``,
 written by the target's own forwards (prefill and verification) with no host synchronisation.
@@ -27,9 +29,40 @@ from ..models.static import StaticLM
 from ..sampling import SamplingParams
 from .base import Draft, History, Seen, autoregress, draw
 
-__all__ = ["FeatureDrafter", "FeatureHead", "SubsetHead", "decoder_layer", "draw_in_subset", "window_widths"]
+__all__ = ["FeatureDrafter", "FeatureHead", "SubsetHead", "check_taps", "decoder_layer", "default_taps",
+           "draw_in_subset", "tapped_layers", "window_widths"]
 
 PREFIX = "feature:"
+
+
+def default_taps(layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high taps for a target of ``layers`` decoder layers: the outputs
+    of layers ``1, L//2 − 1, L − 4`` (0-based), i.e. the inputs of layers ``2, L//2, L − 3`` where
+    the reference code reads them. Clamped to the layers there are and deduplicated (a target of
+    fewer than 8 layers gets fewer or closer taps)."""
+    check_int("layers", layers, 1)
+    return tuple(sorted({min(1, layers - 1), max(layers // 2 - 1, 0), max(layers - 4, 0)}))
+
+
+def check_taps(taps: Any, layers: int) -> tuple[int, ...]:
+    """``taps`` as a tuple if it holds distinct decoder-layer indices in ``[0, layers)`` (index
+    ``i``: the output of layer ``i``, 0-based, before the final norm), else ``ValueError``."""
+    try:
+        taps = tuple(taps)
+    except TypeError:
+        raise ValueError(f"taps must be a sequence of decoder-layer indices; got {taps!r}.") from None
+    if not taps or len(set(taps)) != len(taps):
+        raise ValueError(f"taps must hold one or more distinct decoder-layer indices; got {list(taps)}.")
+    for tap in taps:
+        check_int("each tap", tap, 0, layers - 1, upto=f"{layers - 1} (the target has {layers} decoder layers)")
+    return tuple(int(t) for t in taps)
+
+
+def tapped_layers(taps: tuple[int, ...] | None, layers: int) -> tuple[int, ...]:
+    """The layer counts ``n`` whose outputs a head with ``taps`` reads over a target of ``layers``
+    decoder layers (the keys of ``History.hidden``: the output of the first ``n`` layers): tap
+    ``i`` is ``n = i + 1``; without taps, the last layer's, ``n = layers``."""
+    return (layers,) if taps is None else tuple(t + 1 for t in taps)
 
 
 class FeatureHead(nn.Module):
@@ -39,12 +72,19 @@ class FeatureHead(nn.Module):
 
     Compact designs (SPEC.md §11.4): ``width`` sets the layers' MLP width and ``heads`` their
     number of query heads (default: the target's); ``vocab`` (target token ids) restricts the
-    draft head to those rows of the target's head (a reduced draft vocabulary)."""
+    draft head to those rows of the target's head (a reduced draft vocabulary).
+
+    Fused features (SPEC.md §11, EAGLE-3): ``taps`` (decoder-layer indices of the target, 0-based,
+    e.g. :func:`default_taps`) makes the feature the drafter starts from ``fuse([h_a; h_b; …])``,
+    a ``len(taps)·hidden → hidden`` map (no bias, so a zero feature stays zero) of those layers'
+    outputs; ``fc`` is unchanged. Without taps there is no ``fuse`` and the feature is the last
+    layer's, as in checkpoints made before taps existed."""
 
     def __init__(self, config: Any, layers: int = 1, width: int | None = None, heads: int | None = None,
-                 vocab: torch.Tensor | None = None) -> None:
+                 vocab: torch.Tensor | None = None, taps: tuple[int, ...] | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
+        self.taps = None if taps is None else check_taps(taps, config.num_hidden_layers)
         self.config = copy.deepcopy(config)
         self.config.num_hidden_layers = layers
         if hasattr(self.config, "layer_types") and self.config.layer_types is not None:
@@ -62,6 +102,7 @@ class FeatureHead(nn.Module):
             self.config.num_key_value_heads = min(kv, heads)
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layers = nn.ModuleList(decoder_layer(self.config, i) for i in range(layers))
+        self.fuse = None if self.taps is None else nn.Linear(len(self.taps) * hidden, hidden, bias=False)
         if vocab is not None:
             vocab = torch.as_tensor(vocab, dtype=torch.long).flatten()
             size = config.vocab_size
@@ -76,7 +117,8 @@ class FeatureHead(nn.Module):
         """The sizes that rebuild this head (stored in a checkpoint's drafter.json)."""
         return {"layers": len(self.layers), "width": self.config.intermediate_size,
                 "heads": self.config.num_attention_heads,
-                "vocab": None if self.vocab is None else int(self.vocab.numel())}
+                "vocab": None if self.vocab is None else int(self.vocab.numel()),
+                "taps": None if self.taps is None else list(self.taps)}
 
     def draft_model(self, target: nn.Module) -> nn.Module:
         """A model of the target's class whose decoder layers are this head's and whose embedding,
@@ -94,6 +136,12 @@ class FeatureHead(nn.Module):
     def inputs(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """``fc([f_{t-1}; e_t])`` for ``features, embeddings [B, q, hidden]``."""
         return self.fc(torch.cat([features, embeddings], dim=-1))
+
+    def fused(self, target_features: torch.Tensor) -> torch.Tensor:
+        """The feature this head starts from, ``[..., hidden]``, given the target's: the tapped
+        layers' outputs side by side ``[..., len(taps)·hidden]`` through ``fuse``; without taps the
+        last layer's output, as it is."""
+        return target_features if self.fuse is None else self.fuse(target_features)
 
 
 class SubsetHead(nn.Module):
@@ -181,7 +229,12 @@ class FeatureDrafter:
             raise ValueError(f"This feature drafter was made for hidden size {head.config.hidden_size}; the "
                              f"target's is {target.model.config.hidden_size}.")
         self.target, self.head = target, head
-        self.feature_layer = len(target.base.layers)  # the target's last layer, before its final norm
+        layers = len(target.base.layers)
+        if head.taps is not None and max(head.taps) >= layers:
+            raise ValueError(f"This feature drafter reads the target's decoder layers {list(head.taps)} (0-based); "
+                             f"the target has {layers}.")
+        # The target's features it reads (History.hidden keys): its taps', or its last layer's (before the norm).
+        self.feature_layers = tapped_layers(head.taps, layers)
         self.name = name or "feature"
         self.lm = StaticLM(head.draft_model(target.model))  # prefills run it eagerly
         self.compiled = compile
@@ -234,14 +287,18 @@ class FeatureDrafter:
             one = slice(row, row + 1)
             zeros = torch.zeros(1, dtype=torch.long, device=history.length.device)
             with self.lm.only_row(row):
-                self._feed(history.tokens[one], history.hidden[self.feature_layer][one], self._features[one],
+                self._feed(history.tokens[one], tuple(h[one] for h in self._hidden(history)), self._features[one],
                            zeros, width, zeros[:, None])
         self._seen.joined(history, behind=1)  # (its pending token unfed)
 
     def _check(self, history: History) -> None:
-        if history.hidden is None or self.feature_layer not in history.hidden:
+        if history.hidden is None or any(n not in history.hidden for n in self.feature_layers):
             raise ValueError("A feature drafter needs the target's features (History.hidden): use it through "
                              "SpeculativeEngine, which provides them.")
+
+    def _hidden(self, history: History) -> tuple[torch.Tensor, ...]:
+        """The target's features this drafter reads, ``[B, capacity, hidden]`` each, in tap order."""
+        return tuple(history.hidden[n] for n in self.feature_layers)
 
     def catch_up(self, history: History) -> int:
         """The positions the next proposal feeds beyond a steady step's (SPEC.md §4): the whole
@@ -269,7 +326,7 @@ class FeatureDrafter:
         if self._seen.first:
             self._start(history)
         active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
-        self._graphs.reading(history.tokens, history.length, history.hidden[self.feature_layer], active, uniforms,
+        self._graphs.reading(history.tokens, history.length, *self._hidden(history), active, uniforms,
                              self._features)
         window = self._window(history)
         self._seen.fed(history)
@@ -287,17 +344,20 @@ class FeatureDrafter:
             return self.lm._forward(*self.lm._inputs(None, start, x), logits_at, None, hidden_out)
         return self.lm.forward_embeds(x, start, logits_at=logits_at, hidden_out=hidden_out)
 
-    def _feed(self, tokens: torch.Tensor, hidden: torch.Tensor, own: torch.Tensor, start: torch.Tensor, width: int,
-              logits_at: torch.Tensor | None) -> torch.Tensor:
+    def _feed(self, tokens: torch.Tensor, hidden: tuple[torch.Tensor, ...], own: torch.Tensor, start: torch.Tensor,
+              width: int, logits_at: torch.Tensor | None) -> torch.Tensor:
         """Feed the pairs ``(f_{t-1}, e_t)`` of positions ``start[b] … start[b] + width − 1`` of
-        ``tokens [B, capacity]`` and the target's features ``hidden [B, capacity, H]``; the drafter's
-        outputs (its predicted features) go to ``own [B, capacity, H]``."""
+        ``tokens [B, capacity]``, where ``f`` is the head's feature (:meth:`FeatureHead.fused`) of the
+        target's features ``hidden`` (``[B, capacity, H]`` each, one per tap); the drafter's outputs
+        (its predicted features) go to ``own [B, capacity, H]``."""
         capacity = tokens.shape[1]
         index = (start[:, None] + torch.arange(width, device=start.device)).clamp(max=capacity - 1)
         token = tokens.gather(1, index)
-        previous = hidden.gather(1, (index - 1).clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
-        previous = torch.where((index > 0)[..., None], previous, torch.zeros_like(previous))
-        return self.network(token, previous.to(own.dtype), start, logits_at, {len(self.head.layers): own})
+        at = (index - 1).clamp(min=0)[..., None]
+        previous = torch.cat([h.gather(1, at.expand(-1, -1, h.shape[-1])) for h in hidden], dim=-1)
+        previous = self.head.fused(previous.to(own.dtype))
+        previous = torch.where((index > 0)[..., None], previous, torch.zeros_like(previous))  # f_{-1} = 0
+        return self.network(token, previous, start, logits_at, {len(self.head.layers): own})
 
     def _next(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The logits after draft ``token [B]`` at ``position [B]``: fed with the drafter's own
@@ -314,7 +374,7 @@ class FeatureDrafter:
         feed, step = self._feed_step, self._next_step
         if window > StaticLM.COMPILED_WIDTHS:
             feed = self._feed
-        length, tokens, hidden = history.length, history.tokens, history.hidden[self.feature_layer]
+        length, tokens, hidden = history.length, history.tokens, self._hidden(history)
         if self.compiled and self._warm_shape != tuple(tokens.shape):
             # Compile every window width a later proposal may take now, at the first compiled
             # proposal of this shape (a warm-up's), not inside a later request (SPEC.md §11,

@@ -105,7 +105,8 @@ class ShallowDrafter:
             raise ValueError("This shallow drafter was made for another target shape.")
         check_flag("reuse", reuse)
         self.target, self.head, self.reuse = target, head, reuse
-        self.feature_layer = head.shared_layers
+        self.feature_layer = head.shared_layers  # it resumes from the target's state after its shared layers
+        self.feature_layers = (self.feature_layer,)  # ReadsFeatures
         self.name = name or f"shallow:{head.shared_layers}"
         self.lm = StaticLM(head.draft_model(target.model))
         device = next(target.model.parameters()).device

@@ -1,17 +1,23 @@
 """Training data: text files cut so that the held-out part is never read, tokenized once; and
-distilled folders, already token ids.
+distilled folders, already token ids with a loss mask.
 
 Each file's text (``.txt`` or ``.xz``) is cut like the corpus (:mod:`flashspec.data.corpus`):
 the last 5 % (from a line start) is never read. Training takes the first 90 %; the 5 % between
 is where the progress bar's acceptance estimate comes from. A distilled folder
 (``flashspec distill --out DIR``, :mod:`~flashspec.training.shards`) splits its samples into a
 train and an estimate part itself (:func:`flashspec.data.sharegpt.part_of`).
+
+Chunks come with a loss mask (SPEC.md §11, "Training data in the target's own words"). Text
+files are joined and cut into chunks, every token a target. A distilled sample keeps its own
+rows (:func:`sample_windows`): a chunk never holds two samples, so an answer is only ever scored
+in a context the target answered in (its own conversation, from its start or from a window of it).
 """
 
 from __future__ import annotations
 
 import hashlib
 import lzma
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +26,13 @@ import torch
 
 from .shards import is_distilled, load_distilled, read_manifest
 
-__all__ = ["check_data", "distilled_chunks", "draft_vocab", "read_text", "token_chunks", "training_chunks"]
+__all__ = ["check_data", "distilled_chunks", "draft_vocab", "read_text", "sample_windows", "token_chunks",
+           "training_chunks"]
 
 HELDOUT = 0.05  # never read
 ESTIMATE = 0.05  # just before it: the acceptance estimate's text
+OVERLAP = 4  # a sample's next window starts seq_len // OVERLAP tokens before its previous one ends
+PAD = 0  # the token id after a sample's end in its last window (masked out, and after every real token)
 
 
 def read_text(path: str | Path, part: str = "train") -> str:
@@ -74,25 +83,74 @@ def check_data(paths: list[str | Path]) -> None:
 
 
 def training_chunks(paths: list[str | Path], tokenizer: Any, seq_len: int, part: str = "train",
-                    cache: str | Path | None = None) -> torch.Tensor:
-    """``[N, seq_len]`` token ids from ``paths`` (text files and distilled folders, mixed), joined
-    and cut into whole chunks: the ``part`` (``"train"`` or ``"estimate"``) of each."""
-    pieces: list[np.ndarray] = []
+                    cache: str | Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, seq_len]`` token ids from ``paths`` (text files and distilled folders, mixed), the
+    ``part`` (``"train"`` or ``"estimate"``) of each, and their loss mask (bool, True on the tokens
+    the drafter learns to predict). Text files: joined and cut into whole chunks, every token a
+    target. Distilled folders: each sample in windows of its own (:func:`sample_windows`), True on
+    the target's answer tokens."""
+    text: list[np.ndarray] = []
+    ids: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
     for path in paths:
         if is_distilled(path):
             _check_tokenizer(path, tokenizer)
-            pieces += [sample.ids.astype(np.int64) for sample in load_distilled(path, part)]
+            windows = sample_windows(load_distilled(path, part), seq_len)
+            ids.append(windows[0])
+            masks.append(windows[1])
         else:
-            pieces.append(np.asarray(_tokenized(read_text(path, part), tokenizer, cache), dtype=np.int64))
-    return _cut(pieces, seq_len, f"The training data's {part} part")
+            text.append(np.asarray(_tokenized(read_text(path, part), tokenizer, cache), dtype=np.int64))
+    if text:
+        chunks = _cut(text, seq_len, f"The training data's {part} part")
+        ids.insert(0, chunks)
+        masks.insert(0, torch.ones_like(chunks, dtype=torch.bool))
+    if not ids or sum(len(i) for i in ids) == 0:
+        raise ValueError(f"The training data's {part} part holds no sequence of {seq_len} tokens with a token to learn.")
+    return torch.cat(ids), torch.cat(masks)
 
 
 def distilled_chunks(folder: str | Path, seq_len: int, part: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-    """A distilled folder's samples of ``part``, joined and cut into ``[N, seq_len]`` token ids and
-    the matching loss mask (True on the target's answer tokens), for a loss over answers only."""
-    samples = list(load_distilled(folder, part))
-    what = f"The {part} part of {str(folder)!r}"
-    return _cut([s.ids.astype(np.int64) for s in samples], seq_len, what), _cut([s.mask for s in samples], seq_len, what)
+    """A distilled folder's samples of ``part`` as ``[N, seq_len]`` token ids and the matching loss
+    mask (True on the target's answer tokens), in windows of one sample each (:func:`sample_windows`)."""
+    ids, mask = sample_windows(load_distilled(folder, part), seq_len)
+    if len(ids) == 0:
+        raise ValueError(f"The {part} part of {str(folder)!r} holds no answer token to learn.")
+    return ids, mask
+
+
+def sample_windows(samples: Iterable[Any], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[N, seq_len]`` of token ids and their loss mask from ``samples`` (each with ``ids``
+    and ``mask``: True on the target's answer tokens), never two samples in a row.
+
+    Why: a chunk that ran across a sample's end would score the next sample's answers in a context
+    the target never answered in (another conversation before them). So each sample starts a row;
+    one longer than ``seq_len`` goes on in further rows, each starting ``seq_len // OVERLAP``
+    tokens before the previous one ends, those tokens context only (masked: they were scored in
+    the previous row), so that every answer token is scored exactly once and, past the first row,
+    after at least that much of its own conversation. A last row is padded after the sample's end
+    (``PAD``, masked; causal attention keeps it from every real position). Rows with no token to
+    score (all prompt) are left out."""
+    overlap = seq_len // OVERLAP
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    for sample in samples:
+        tokens, mask = np.asarray(sample.ids, dtype=np.int64), np.asarray(sample.mask, dtype=bool)
+        start = 0
+        while True:
+            end = min(start + seq_len, len(tokens))
+            row, scored = np.full(seq_len, PAD, dtype=np.int64), np.zeros(seq_len, dtype=bool)
+            row[: end - start], scored[: end - start] = tokens[start:end], mask[start:end]
+            if start:
+                scored[:overlap] = False  # context only: the previous row scored them
+            if scored[1:].any():  # (a row's first token has no position before it to predict it)
+                ids.append(row)
+                masks.append(scored)
+            if end == len(tokens):
+                break
+            start = end - overlap
+    if not ids:
+        return torch.zeros(0, seq_len, dtype=torch.long), torch.zeros(0, seq_len, dtype=torch.bool)
+    return torch.from_numpy(np.stack(ids)), torch.from_numpy(np.stack(masks))
 
 
 def _check_tokenizer(folder: str | Path, tokenizer: Any) -> None:
@@ -146,10 +204,12 @@ def _tokenized(text: str, tokenizer: Any, cache: str | Path | None) -> list[int]
     return ids
 
 
-def draft_vocab(chunks: torch.Tensor, size: int, always: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
-    """The ``size`` most frequent token ids of ``chunks`` (ties: lower id first), plus ``always``
-    (e.g. the end-of-sequence ids): a reduced draft vocabulary (SPEC.md §11.4)."""
-    counts = torch.bincount(chunks.flatten())
+def draft_vocab(chunks: torch.Tensor, size: int, always: list[int] | tuple[int, ...] = (),
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``size`` most frequent token ids of ``chunks`` (ties: lower id first) where the loss
+    ``mask`` is True (the tokens the drafter will draft; None: all), plus ``always`` (e.g. the
+    end-of-sequence ids): a reduced draft vocabulary (SPEC.md §11.4)."""
+    counts = torch.bincount(chunks.flatten() if mask is None else chunks[mask])
     order = torch.argsort(-counts, stable=True)  # most frequent first, ties by id
     chosen = set(always)
     for token in order[counts[order] > 0].tolist():  # only tokens that occur

@@ -4,8 +4,10 @@ Teacher forcing on the target's own features and next-token laws. The target run
 the drafter's own part learns: a :class:`~flashspec.drafters.feature.FeatureHead` (kind
 ``feature``) or a :class:`~flashspec.drafters.shallow.ShallowHead` (kind ``shallow``). The loss is
 distillation, the cross-entropy of the drafter's law against the target's (soft labels), or
-against the next token itself with ``hard_labels``. Checkpoints: :mod:`flashspec.drafters.checkpoint`;
-training text: :mod:`flashspec.training.data`.
+against the next token itself with ``hard_labels``; each position weighted by the loss mask (1
+where the token it predicts is a target: the target's answers in distilled data, every token of
+text files). Checkpoints: :mod:`flashspec.drafters.checkpoint`; training data:
+:mod:`flashspec.training.data`.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..checks import check_flag, check_int, check_number, is_number
+from ..checks import check_flag, check_int, check_number, is_int, is_number
 from ..drafters.checkpoint import KINDS, file_sha256, read_meta
-from ..drafters.feature import FeatureHead, SubsetHead
+from ..drafters.feature import FeatureHead, SubsetHead, tapped_layers
 from ..drafters.low_rank import LowRank, add_low_rank
 from ..drafters.shallow import ShallowHead
 from .data import draft_vocab
@@ -57,7 +59,10 @@ class TrainOptions:
     estimate_every: int = 50  # steps between two acceptance estimates on the estimate text
     max_seconds: float | None = None  # stop after this long even if steps remain (logged)
     unroll: int = 3  # feature: passes per step, pass j fed pass j-1's predicted features (SPEC.md §11.6)
-    feature_weight: float = 1.0  # feature: weight of a smooth-L1 loss on the predicted features (EAGLE-1)
+    # feature: weight of a smooth-L1 loss on the predicted features (EAGLE-1); None: 1 for a head on
+    # the last layer, 0 with taps (a fused feature has no true value to regress to: EAGLE-3)
+    feature_weight: float | None = None
+    taps: tuple[int, ...] | None = None  # feature: fuse these target layers' outputs (0-based; SPEC.md §11)
 
     def __post_init__(self) -> None:
         optional = ("shared_layers", "head_width", "width", "heads", "draft_vocab", "rank")
@@ -70,30 +75,44 @@ class TrainOptions:
             check_number(name, getattr(self, name), above=0, below=1, rule="a number in (0, 1)")
         if self.max_seconds is not None and not (is_number(self.max_seconds) and self.max_seconds > 0):
             raise ValueError(f"max_seconds must be a number > 0 (or None); got {self.max_seconds!r}.")
-        check_number("feature_weight", self.feature_weight, 0, rule="a number >= 0")
+        if self.feature_weight is not None:
+            check_number("feature_weight", self.feature_weight, 0, rule="a number >= 0")
+        if self.taps is not None:
+            taps = tuple(self.taps) if isinstance(self.taps, (list, tuple)) else ()
+            if not taps or not all(is_int(t) and t >= 0 for t in taps) or len(set(taps)) != len(taps):
+                raise ValueError(f"taps must hold one or more distinct decoder-layer indices >= 0; got {self.taps!r}.")
+            object.__setattr__(self, "taps", tuple(int(t) for t in taps))
+            if self.feature_weight:
+                raise ValueError("feature_weight is for drafters on the target's last layer: a fused feature (taps) "
+                                 "has no true value to regress to (EAGLE-3 trains on tokens only); leave it unset.")
         if self.unroll >= self.seq_len:
             raise ValueError(f"unroll ({self.unroll}) must be smaller than seq_len ({self.seq_len}).")
         check_flag("hard_labels", self.hard_labels)
 
 
-def _features_and_logits(target: Any, ids: torch.Tensor, after: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's features after its first ``after`` layers (None: all of them, before the final
-    norm) and its logits for ``ids [b, T]``."""
-    captured: list[torch.Tensor] = []
-    module = target.model.norm if after is None else target.model.layers[after - 1]
-    hook = module.register_forward_pre_hook if after is None else module.register_forward_hook
+def _features_and_logits(target: Any, ids: torch.Tensor, after: tuple[int, ...] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's features and logits for ``ids [b, T]``. Features: with ``after``, the outputs of
+    its first ``n`` layers for each ``n`` in ``after``, side by side ``[b, T, len(after)·hidden]``;
+    None: its last layer's output, before the final norm ``[b, T, hidden]``."""
+    captured: dict[int, torch.Tensor] = {}
 
-    def keep(module: Any, args: Any, output: Any = None) -> None:
-        value = args[0] if after is None else (output[0] if isinstance(output, tuple) else output)
-        captured.append(value)
+    def keeper(n: int) -> Any:
+        def keep(module: Any, args: Any, output: Any = None) -> None:
+            captured[n] = args[0] if output is None else (output[0] if isinstance(output, tuple) else output)
+        return keep
 
-    handle = hook(keep)
+    if after is None:
+        handles = [target.model.norm.register_forward_pre_hook(keeper(0))]
+    else:
+        handles = [target.model.layers[n - 1].register_forward_hook(keeper(n)) for n in after]
     try:
         with torch.no_grad():
             logits = target(ids).logits
     finally:
-        handle.remove()
-    return captured[-1], logits
+        for handle in handles:
+            handle.remove()
+    return (captured[0] if after is None else torch.cat([captured[n] for n in after], dim=-1)), logits
 
 
 def _cast(features: torch.Tensor, head: Any, target: Any) -> Any:
@@ -132,8 +151,9 @@ def chain_mask(passes: int, length: int, device: Any = None) -> torch.Tensor:
 def _passes(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: torch.Tensor,
             count: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The feature drafter's logits and predicted features over ``count`` chained passes (SPEC.md
-    §11.6): pass 1 reads the target's true features ``fc([f_{t−1}; e_t])``; pass ``j`` reads pass
-    ``j − 1``'s predicted ones ``fc([f̂_{t−1}; e_t])``, attending as a ``j``-th draft would."""
+    §11.6): pass 1 reads the target's true features ``fc([f_{t−1}; e_t])`` (``f``: the head's
+    :meth:`~FeatureHead.fused` feature of ``features``); pass ``j`` reads pass ``j − 1``'s
+    predicted ones ``fc([f̂_{t−1}; e_t])``, attending as a ``j``-th draft would."""
     dtype = next(head.parameters()).dtype
     length = ids.shape[1]
     captured: list[torch.Tensor] = []
@@ -142,7 +162,7 @@ def _passes(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: tor
     try:
         with _cast(features, head, target):
             embeddings = target.model.embed_tokens(ids).to(dtype)
-            previous = features.to(dtype)
+            previous = head.fused(features.to(dtype))
             blocks: list[torch.Tensor] = []
             for j in range(1, count + 1):
                 shifted = torch.cat([torch.zeros_like(previous[:, :1]), previous[:, :-1]], dim=1)  # f_{t-1}
@@ -172,8 +192,33 @@ def _draft_logits(head: Any, draft: Any, target: Any, ids: torch.Tensor, feature
         return _head_logits(draft, draft.model(inputs_embeds=x).last_hidden_state)
 
 
-def _feature_layer(head: Any) -> int | None:
-    return head.shared_layers if isinstance(head, ShallowHead) else None
+def _reads(head: Any, target: Any) -> tuple[int, ...] | None:
+    """The target's layer counts whose outputs ``head`` reads (None: the last layer's, before the norm)."""
+    if isinstance(head, ShallowHead):
+        return (head.shared_layers,)
+    return None if head.taps is None else tapped_layers(head.taps, target.config.num_hidden_layers)
+
+
+def _weights(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """``[b, T]`` float: whether position ``t`` counts, i.e. whether the token it predicts,
+    ``t + 1``, is a target in the loss mask ``[b, T]`` (None: all are). The last position's next
+    token lies past the chunk: it takes its own token's mask (inside an answer, the answer goes on)."""
+    if mask is None:
+        return torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
+    mask = mask.to(ids.device, torch.float32)
+    return torch.cat([mask[:, 1:], mask[:, -1:]], dim=1)
+
+
+def _feature_weight(head: Any, options: TrainOptions) -> float:
+    """The feature loss's weight for ``head`` (TrainOptions.feature_weight; None: 1, or 0 with taps)."""
+    if isinstance(head, ShallowHead):
+        return 0.0
+    if head.taps is not None:
+        if options.feature_weight:
+            raise ValueError("feature_weight is for drafters on the target's last layer; this one fuses taps "
+                             f"{list(head.taps)} (EAGLE-3 trains on tokens only): leave it unset.")
+        return 0.0
+    return 1.0 if options.feature_weight is None else options.feature_weight
 
 
 def _vocab(head: Any) -> torch.Tensor | None:
@@ -183,9 +228,11 @@ def _vocab(head: Any) -> torch.Tensor | None:
 DEPTHS = 3  # draft depths the acceptance estimate reports (feature drafters)
 
 
-def _acceptance(head: Any, draft: Any, target: Any, chunks: torch.Tensor, batch: int) -> list[float]:
+def _acceptance(head: Any, draft: Any, target: Any, chunks: torch.Tensor, batch: int,
+                mask: torch.Tensor | None = None) -> list[float]:
     """``[α₁, α₂, …]`` on ``chunks``: how often the drafter's argmax is the target's at draft depth
-    1, 2, … (depth ``j``: after ``j − 1`` drafts of its own, fed the true tokens; SPEC.md §11.6).
+    1, 2, … (depth ``j``: after ``j − 1`` drafts of its own, fed the true tokens; SPEC.md §11.6),
+    over the positions whose next token is a target of the loss ``mask`` (None: all).
     Shallow drafters read the target's own layers at every depth, so they report α₁ only."""
     vocab = _vocab(head)
     depths = 1 if isinstance(head, ShallowHead) else DEPTHS
@@ -193,7 +240,8 @@ def _acceptance(head: Any, draft: Any, target: Any, chunks: torch.Tensor, batch:
     with torch.no_grad():
         for i in range(0, len(chunks), batch):
             ids = chunks[i : i + batch].to(target.device)
-            features, logits = _features_and_logits(target, ids, _feature_layer(head))
+            counts = _weights(None if mask is None else mask[i : i + batch], ids).bool()
+            features, logits = _features_and_logits(target, ids, _reads(head, target))
             if isinstance(head, ShallowHead):
                 mine = [_draft_logits(head, draft, target, ids, features)]
             else:
@@ -203,22 +251,25 @@ def _acceptance(head: Any, draft: Any, target: Any, chunks: torch.Tensor, batch:
                 best = values.argmax(-1)
                 if vocab is not None:
                     best = vocab[best]
-                agree[j] += int((best == truth)[:, j:].sum())  # a chain needs j positions before it
-                total[j] += truth[:, j:].numel()
+                agree[j] += int(((best == truth) & counts)[:, j:].sum())  # a chain needs j positions before it
+                total[j] += int(counts[:, j:].sum())
     return [a / max(t, 1) for a, t in zip(agree, total)]
 
 
-def estimate_acceptance(head: Any, target: Any, chunks: torch.Tensor, batch: int = 8) -> list[float]:
-    """``[α₁, α₂, …]`` of ``head`` on ``chunks [N, T]`` (the progress bar's estimate, for a saved
-    head too)."""
-    return _acceptance(head, head.draft_model(target), target, chunks, batch)
+def estimate_acceptance(head: Any, target: Any, chunks: torch.Tensor, batch: int = 8,
+                        mask: torch.Tensor | None = None) -> list[float]:
+    """``[α₁, α₂, …]`` of ``head`` on ``chunks [N, T]`` where ``mask`` (the loss mask) says so
+    (the progress bar's estimate, for a saved head too)."""
+    return _acceptance(head, head.draft_model(target), target, chunks, batch, mask)
 
 
 def new_head(kind: str, target: Any, options: TrainOptions, vocab: torch.Tensor | None = None) -> Any:
     """An untrained head of ``kind`` for ``target``, on its device and dtype."""
     if kind == "feature":
-        head = FeatureHead(target.config, options.layers, options.width, options.heads, vocab)
+        head = FeatureHead(target.config, options.layers, options.width, options.heads, vocab, options.taps)
     elif kind == "shallow":
+        if options.taps is not None:
+            raise ValueError("taps (fused features) are an option of the feature drafter only.")
         shared = options.shared_layers or max(1, target.config.num_hidden_layers // 4)
         head = ShallowHead(target.config, shared, options.layers, options.head_width)
     else:
@@ -229,9 +280,14 @@ def new_head(kind: str, target: Any, options: TrainOptions, vocab: torch.Tensor 
 
 def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptions,
                estimate: torch.Tensor | None = None, progress: bool = True, base: Any = None,
-               always: tuple[int, ...] = ()) -> tuple[Any, dict]:
+               always: tuple[int, ...] = (), mask: torch.Tensor | None = None,
+               estimate_mask: torch.Tensor | None = None) -> tuple[Any, dict]:
     """Train a drafter head of ``kind`` for ``target`` (frozen) on ``chunks [N, seq_len]``; return it
     with a log (losses, acceptance estimates, seconds, tokens seen).
+
+    ``mask [N, seq_len]`` (bool): the loss mask, True on the tokens that are training targets (a
+    distilled folder's answers, :func:`~flashspec.training.data.training_chunks`); the others are
+    context only. None: every token. ``estimate_mask``: the same for ``estimate``.
 
     ``base``: a trained head to start from. With ``options.rank`` only a low-rank delta of each of
     its linear maps learns (:class:`LowRank`; a per-domain drafter over a general one, SPEC.md
@@ -240,6 +296,11 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     device = next(target.parameters()).device
     if options.rank is not None and base is None:
         raise ValueError("A low-rank delta (rank) needs a base drafter to train over.")
+    if mask is not None and tuple(mask.shape) != tuple(chunks.shape):
+        raise ValueError(f"mask must have the chunks' shape {tuple(chunks.shape)}; got {tuple(mask.shape)}.")
+    if base is not None and options.taps is not None and options.taps != getattr(base, "taps", None):
+        raise ValueError(f"taps {list(options.taps)} differ from the base drafter's {getattr(base, 'taps', None)}: "
+                         "a drafter trained further keeps its base's taps.")
     if base is not None:
         head = base
         if options.rank is not None:
@@ -249,12 +310,12 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
         if options.draft_vocab is not None:
             if kind != "feature":
                 raise ValueError("A reduced draft vocabulary is an option of the feature drafter only.")
-            vocab = draft_vocab(chunks, options.draft_vocab, always)
+            vocab = draft_vocab(chunks, options.draft_vocab, always, mask)  # among the training targets
         head = new_head(kind, target, options, vocab)
     head = head.float()  # master weights in float32 (SPEC.md §11.3); returned in the target's dtype
     draft = head.draft_model(target)
-    layer = _feature_layer(head)
-    vocab = _vocab(head)
+    reads = _reads(head, target)
+    feature_weight = _feature_weight(head, options)
     training = target.training
     target.eval()
     requires = {n: p.requires_grad for n, p in target.named_parameters()}
@@ -280,9 +341,10 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
 
     trainable = [p for group in groups for p in group["params"]]
     generator = torch.Generator().manual_seed(options.seed)
-    log: dict[str, Any] = {"kind": kind, "options": asdict(options), "loss": [], "estimates": [], "tokens": 0}
+    log: dict[str, Any] = {"kind": kind, "options": {**asdict(options), "feature_weight": feature_weight},
+                           "loss": [], "estimates": [], "tokens": 0, "target_tokens": 0}
     if estimate is not None:
-        log["estimates"].append(_estimate(0, _acceptance(head, draft, target, estimate, options.batch)))
+        log["estimates"].append(_estimate(0, _acceptance(head, draft, target, estimate, options.batch, estimate_mask)))
     for group, peak in zip(optimizer.param_groups, peaks):
         group["lr"] = peak * rate(0, 0.0)
     started = time.perf_counter()
@@ -291,8 +353,9 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
         for step in bar:
             rows = torch.randint(0, len(chunks), (options.batch,), generator=generator)
             ids = chunks[rows].to(device)
-            features, logits = _features_and_logits(target, ids, layer)
-            loss = _loss(head, draft, target, ids, features, logits, options)
+            weights = _weights(None if mask is None else mask[rows], ids)
+            features, logits = _features_and_logits(target, ids, reads)
+            loss = _loss(head, draft, target, ids, features, logits, options, weights, feature_weight)
             if not math.isfinite(loss.item()):
                 raise ValueError(f"The training loss is not finite at step {step}: lower the learning rates.")
             optimizer.zero_grad(set_to_none=True)
@@ -306,10 +369,11 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
             log["lr_fraction"] = fraction
             log["loss"].append(loss.item())
             log["tokens"] += ids.numel()
+            log["target_tokens"] += int(weights[:, :-1].sum())  # positions the loss scored
             out_of_time = options.max_seconds is not None and elapsed > options.max_seconds
             if estimate is not None and ((step + 1) % options.estimate_every == 0 or step + 1 == options.steps
                                          or out_of_time):
-                alphas = _acceptance(head, draft, target, estimate, options.batch)
+                alphas = _acceptance(head, draft, target, estimate, options.batch, estimate_mask)
                 log["estimates"].append(_estimate(step + 1, alphas))
                 bar.set_postfix(loss=f"{loss.item():.3f}", alpha="/".join(f"{a:.2f}" for a in alphas))
             else:
@@ -355,53 +419,67 @@ def _estimate(step: int, alphas: list[float]) -> dict[str, Any]:
     return {"step": step, "alpha1": alphas[0], "alpha": alphas}
 
 
+def _mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The ``weights``-weighted mean of ``values`` (0 where no weight: nothing to learn there)."""
+    return (values * weights).sum() / weights.sum().clamp(min=1)
+
+
 def _loss(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: torch.Tensor, logits: torch.Tensor,
-          options: TrainOptions) -> torch.Tensor:
+          options: TrainOptions, weights: torch.Tensor | None = None, feature_weight: float = 0.0) -> torch.Tensor:
     """The training loss (SPEC.md §11.3, §11.6): the cross-entropy of each pass's law against the
     target's (or the next token), pass ``j`` weighted ``0.8^(j−1)`` and counted from position
-    ``j − 1`` on; plus ``feature_weight`` × smooth-L1 between predicted and true features."""
+    ``j − 1`` on; plus ``feature_weight`` × smooth-L1 between predicted and true features. Each
+    position counts by ``weights [b, T]`` (:func:`_weights`: the loss mask of the token it
+    predicts; None: all), so masked positions are context only: no term of the loss reads their
+    outputs."""
     vocab = _vocab(head)
+    weights = _weights(None, ids) if weights is None else weights
     if isinstance(head, ShallowHead):
         passes, predicted = [_draft_logits(head, draft, target, ids, features)], []
     else:
         passes, predicted = _passes(head, draft, target, ids, features, options.unroll)
+    counts = weights[:, :-1]  # the cross-entropy's positions: those whose next token is in the chunk
     if options.hard_labels:
         labels = ids[:, 1:]
         if vocab is not None:  # position in the draft vocabulary; -100 (ignored) outside it
             where = torch.searchsorted(vocab, labels).clamp(max=len(vocab) - 1)
             labels = torch.where(vocab[where] == labels, where, torch.full_like(labels, -100))
+        counts = counts * (labels != -100)
     else:
         law = torch.softmax(logits[:, :-1].float(), dim=-1)
         if vocab is not None:
             law = law[..., vocab]  # the target's mass outside the draft vocabulary is lost to it
-    total, weights = 0.0, 0.0
+    total, norm = 0.0, 0.0
     for j, mine in enumerate(passes):
         mine = mine[:, j:-1].float()
         if options.hard_labels:
-            part = torch.nn.functional.cross_entropy(mine.flatten(0, 1), labels[:, j:].flatten(), ignore_index=-100)
+            each = torch.nn.functional.cross_entropy(mine.flatten(0, 1), labels[:, j:].flatten(), ignore_index=-100,
+                                                     reduction="none").view_as(mine[..., 0])
         else:
-            part = -(law[:, j:] * torch.log_softmax(mine, dim=-1)).sum(-1).mean()
-        if options.feature_weight and predicted:
-            part = part + options.feature_weight * torch.nn.functional.smooth_l1_loss(
-                predicted[j][:, j:].float(), features[:, j:].float())
-        total, weights = total + 0.8**j * part, weights + 0.8**j
-    return total / weights
+            each = -(law[:, j:] * torch.log_softmax(mine, dim=-1)).sum(-1)
+        part = _mean(each, counts[:, j:])
+        if feature_weight and predicted:
+            error = torch.nn.functional.smooth_l1_loss(predicted[j][:, j:].float(), features[:, j:].float(),
+                                                       reduction="none").mean(-1)
+            part = part + feature_weight * _mean(error, weights[:, j:])
+        total, norm = total + 0.8**j * part, norm + 0.8**j
+    return total / norm
 
 
 def _parameter_groups(head: Any, options: TrainOptions) -> list[dict[str, Any]]:
     """The optimizer's groups: the head's input / output maps at ``lr_head``, its decoder layers at
     ``lr_layers``; with a low-rank delta, only the delta's factors (same split)."""
     if isinstance(head, ShallowHead):
-        outer = [*head.fc1.parameters(), *head.fc2.parameters()]
-    else:
-        outer = list(head.fc.parameters())
+        maps = [head.fc1, head.fc2]
+    else:  # fc, and a fused head's fuse
+        maps = [head.fc] + ([] if head.fuse is None else [head.fuse])
+    outer = [p for m in maps for p in m.parameters()]
     inner = list(head.layers.parameters())
     if options.rank is not None:
         factors = {id(p) for m in head.modules() if isinstance(m, LowRank) for p in m.parameters()}
         for p in head.parameters():
             p.requires_grad_(id(p) in factors)
-        outer = [p for m in ([head.fc1, head.fc2] if isinstance(head, ShallowHead) else [head.fc])
-                 for p in m.parameters() if id(p) in factors]
+        outer = [p for m in maps for p in m.parameters() if id(p) in factors]
         inner = [p for p in head.layers.parameters() if id(p) in factors]
     return [{"params": outer, "lr": options.lr_head}, {"params": inner, "lr": options.lr_layers}]
 
