@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from flashspec import FeatureDrafter, FeatureHead, ShallowDrafter, ShallowHead, SpeculativeEngine
 from flashspec.cli import main
 from flashspec.drafters.checkpoint import load_feature_head, load_head, save_drafter
-from flashspec.training.train import FLOOR, TrainOptions, train_feature_head, train_head
+from flashspec.training.schedule import FLOOR
+from flashspec.training.train import TrainOptions, train_feature_head, train_head
 from flashspec.drafters.feature import window_widths
 from flashspec.models.graphs import Graphs
 from tiny_models import tiny_model

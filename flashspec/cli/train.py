@@ -65,6 +65,11 @@ def add_parsers(sub: Any) -> None:
     train.add_argument("--storage", default="int8", choices=["int8", "same"],
                        help="int8 (default): matrices as int8 rows with a scale each; same: the training dtype")
     train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--total-steps", type=int, default=None,
+                       help="the learning-rate schedule's length over several runs (default: --steps); later runs "
+                            "continue it with --resume")
+    train.add_argument("--resume", default=None,
+                       help="a drafter folder to train further on its own schedule, from where its last run left it")
     train.add_argument("--batch", type=int, default=8, help="sequences per step")
     train.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     train.add_argument("--lr-layers", type=float, default=5e-5, help="the decoder layers' peak learning rate")
@@ -162,6 +167,9 @@ def train_drafter(args: argparse.Namespace) -> None:
                            max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)  # checked first
     if args.rank is not None and args.base is None:
         raise ValueError("--rank trains a low-rank delta over a base drafter: give --base DIR too.")
+    if args.resume and args.base:
+        raise ValueError("--resume continues a drafter on its own schedule and --base starts a new one from it: "
+                         "give one of them.")
     if taps is not None and args.kind != "feature":
         raise ValueError("--taps (fused features) is an option of --kind feature only.")
     if taps == "eagle3" and args.feature_weight:
@@ -173,7 +181,12 @@ def train_drafter(args: argparse.Namespace) -> None:
         raise ValueError("Training reads text: give --tokenizer (none could be loaded with the target).")
     if taps == "eagle3":
         options = replace(options, taps=default_taps(engine.target.config.num_hidden_layers))
-    base = load_head(args.base, engine.target, args.kind) if args.base else None
+    if args.resume:
+        options = _resumed(options, args.resume, args.total_steps)
+    elif args.total_steps is not None:
+        options = replace(options, schedule_steps=args.total_steps)
+    start = args.resume or args.base
+    base = load_head(start, engine.target, args.kind) if start else None
     from ..paths import cache_dir
 
     tokens = cache_dir() / "tokens"  # each data file tokenized once, for every drafter trained on it
@@ -187,8 +200,8 @@ def train_drafter(args: argparse.Namespace) -> None:
     head, log = train_head(args.kind, engine.target, chunks, options, estimate=estimate, base=base, always=always,
                            mask=mask, estimate_mask=estimate_mask)
     delta = args.rank is not None
-    if args.base and not delta:  # the whole drafter trained further: a new full checkpoint, its history kept
-        log["before"] = continued_record(args.base)
+    if start and not delta:  # the whole drafter trained further: a new full checkpoint, its history kept
+        log["before"] = continued_record(start)
     out = save_drafter(head, engine.target, args.out, log, storage=args.storage, base=args.base if delta else None)
     saved = estimate_acceptance(load_head(out, engine.target, args.kind), engine.target, estimate, options.batch,
                                 estimate_mask)
@@ -201,6 +214,24 @@ def train_drafter(args: argparse.Namespace) -> None:
     print(f"saved {out} ({size / 1e6:.1f} MB) after {log['seconds']:.0f} s, {log['tokens']:,} tokens; "
           f"final loss {log['loss'][-1]:.3f}, α by draft depth {last} (as saved: {'/'.join(f'{a:.3f}' for a in saved)}); "
           f"use it as --draft {args.kind}:{out}")
+
+
+def _resumed(options: Any, folder: str, total: int | None) -> Any:
+    """``options`` for a run that continues ``folder``'s drafter on its learning-rate schedule:
+    from where its last run left the schedule, to ``total`` steps if given (to extend it)."""
+    from ..drafters.checkpoint import read_meta
+    from ..training.train import training_totals
+
+    record = read_meta(Path(folder)).get("training", {})
+    kept = record.get("schedule") or {}
+    position = int(kept.get("position", training_totals(record)["steps"]))
+    total = total if total is not None else int(kept.get("total_steps", position))
+    if total <= position:
+        raise ValueError(f"The drafter in {folder} has done {position} of its schedule's {total} steps: give "
+                         f"--total-steps larger than {position} to train it further.")
+    if taps := record.get("options", {}).get("taps"):
+        options = replace(options, taps=tuple(taps))
+    return replace(options, schedule_steps=total, start_step=position)
 
 
 def _taps(value: str | None) -> tuple[int, ...] | str | None:

@@ -28,13 +28,12 @@ from ..drafters.feature import FeatureHead, SubsetHead, tapped_layers
 from ..drafters.low_rank import LowRank, add_low_rank
 from ..drafters.shallow import ShallowHead
 from .data import draft_vocab
+from .schedule import Schedule
 
 __all__ = ["TrainOptions", "chain_mask", "continued_record", "estimate_acceptance", "new_head", "train_feature_head",
            "train_head", "training_totals"]
 
 
-WARMUP = 20  # the learning rates rise linearly over the first 1/20 of the steps
-FLOOR = 0.1  # then fall on a cosine to this fraction of their peak
 CLIP = 1.0  # gradient norm clipping
 
 
@@ -63,9 +62,11 @@ class TrainOptions:
     # the last layer, 0 with taps (a fused feature has no true value to regress to: EAGLE-3)
     feature_weight: float | None = None
     taps: tuple[int, ...] | None = None  # feature: fuse these target layers' outputs (0-based; SPEC.md §11)
+    schedule_steps: int | None = None  # the learning-rate schedule's length over every run (default: steps)
+    start_step: int = 0  # the schedule's steps done by earlier runs (train-drafter --resume)
 
     def __post_init__(self) -> None:
-        optional = ("shared_layers", "head_width", "width", "heads", "draft_vocab", "rank")
+        optional = ("shared_layers", "head_width", "width", "heads", "draft_vocab", "rank", "schedule_steps")
         for name in ("layers", "steps", "batch", "seq_len", "estimate_every", "unroll", *optional):
             value = getattr(self, name)
             if value is None and name in optional:
@@ -88,6 +89,8 @@ class TrainOptions:
         if self.unroll >= self.seq_len:
             raise ValueError(f"unroll ({self.unroll}) must be smaller than seq_len ({self.seq_len}).")
         check_flag("hard_labels", self.hard_labels)
+        check_int("start_step", self.start_step, 0)
+        Schedule(self.schedule_steps or self.steps, self.steps, self.start_step)  # a complete schedule is refused
 
 
 def _features_and_logits(target: Any, ids: torch.Tensor, after: tuple[int, ...] | None = None
@@ -325,19 +328,9 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     peaks = [group["lr"] for group in groups]
 
-    def rate(step: int, elapsed: float) -> float:
-        """The learning rates' fraction of their peak at ``progress``, the share of the steps or of
-        ``max_seconds`` spent, whichever is larger (a time-capped run still anneals): a linear
-        warm-up over the first 1/WARMUP, then a cosine down to FLOOR."""
-        progress = step / options.steps
-        if options.max_seconds is not None:
-            progress = max(progress, elapsed / options.max_seconds)
-        progress = min(1.0, progress)
-        warm = 1 / WARMUP
-        if progress < warm:
-            return max(progress, 1 / options.steps) / warm
-        done = (progress - warm) / (1 - warm)
-        return FLOOR + (1 - FLOOR) * 0.5 * (1 + math.cos(math.pi * done))
+    schedule = Schedule(options.schedule_steps or options.steps, options.steps, options.start_step,
+                        options.max_seconds)
+    rate = schedule.fraction
 
     trainable = [p for group in groups for p in group["params"]]
     generator = torch.Generator().manual_seed(options.seed)
@@ -386,6 +379,7 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
             p.requires_grad_(requires[n])
         target.train(training)
     log["seconds"] = time.perf_counter() - started
+    log["schedule"] = schedule.record(len(log["loss"]), log["seconds"])
     if device.type == "cuda":
         log["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     return head.to(next(target.parameters()).dtype).eval(), log
