@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Drafters trained on the target's own answers to real conversations, as ablations at equal GPU time
+# (BENCHMARKS.md, "Drafters and their training"): `flashspec distill` answers ShareGPT conversations turn
+# by turn (and corpus prompts) into token shards; `train-drafter` trains, for the same minutes each, a
+# last-layer feature drafter and a fused-feature one (EAGLE-3's taps), both on the loss mask of the
+# target's answers; `bench acceptance` gives tokens per step on MT-bench and HumanEval for them, the
+# committed general drafter and n-gram, chain γ ∈ {3, 5, 7}; `bench training` tabulates their cost.
+# Run it again with RESUME=1 to train both further on their schedules (the data folder is kept).
+#
+# Usage: benchmarks/drafter-training.sh TARGET OUT
+#   writes OUT/data/ (shards, manifest.json), OUT/ckpt/{last,fused}/, OUT/acceptance-{mt-bench,humaneval}/,
+#   OUT/training.{md,json}
+# Environment (defaults in brackets): SHAREGPT [fetched], MTBENCH and HUMANEVAL [$FLASHSPEC_MTBENCH and
+#   $FLASHSPEC_HUMANEVAL, else fetched], CORPUS [../shared/corpus], CONVERSATIONS [4000], CORPUS_COUNT [512 per
+#   domain], MINUTES [8 per drafter and run], STEPS_PER_RUN [6000: one run's slice of the schedule, ended early
+#   by MINUTES], TOTAL_STEPS [30000: the schedule over every run], RESUME [0],
+#   MT_PER_CATEGORY [10: all 80 MT-bench questions, both turns], PROBLEMS [164 HumanEval problems],
+#   TEMPERATURES ["0 1"], NEW_TOKENS [256 per answer], MAX_CONTEXT [2048 tokens before an answer], BATCH [16] and SEQ_LEN [512] of training, BASELINES
+#   [the committed general drafter and ngram: measured beside], EVAL_TOKENS [256 new tokens per benchmark request], TRAINING_BASELINE [the committed general drafter].
+set -euo pipefail
+[ $# -eq 2 ] || { echo "usage: $0 TARGET OUT" >&2; exit 2; }
+python=${PYTHON:-python3}
+target=$1 dest=$2
+corpus=${CORPUS:-../shared/corpus}
+committed=flashspec/checkpoints/qwen2.5-coder-1.5b-instruct
+fs() { "$python" -m flashspec "$@"; }
+compile=(); "$python" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' && compile=(--compile)
+sharegpt=(); [ -n "${SHAREGPT:-}" ] && sharegpt=(--sharegpt-file "$SHAREGPT")
+mtbench=(); [ -n "${MTBENCH:-}" ] && mtbench=(--mtbench-file "$MTBENCH")
+humaneval=(); [ -n "${HUMANEVAL:-}" ] && humaneval=(--humaneval-file "$HUMANEVAL")
+mkdir -p "$dest/ckpt"
+
+# The data: made once, continued where a stopped run left it.
+fs distill --target "$target" --source mixed "${sharegpt[@]}" --conversations "${CONVERSATIONS:-4000}" \
+    --max-turns 4 --corpus "$corpus" --domain all --count "${CORPUS_COUNT:-512}" --batch 128 \
+    --max-new-tokens "${NEW_TOKENS:-256}" --max-context "${MAX_CONTEXT:-2048}" --no-progress \
+    --out "$dest/data"
+
+# Two designs, the same minutes each, on the same data and schedule.
+train=(train-drafter --target "$target" --data "$dest/data" --batch "${BATCH:-16}" --seq-len "${SEQ_LEN:-512}"
+       --estimate-every 200
+       --lr-layers 3e-4 --lr-head 3e-4 --steps "${STEPS_PER_RUN:-6000}" --max-minutes "${MINUTES:-8}")
+for design in last fused; do
+  taps=(); [ $design = fused ] && taps=(--taps --unroll 7)
+  if [ "${RESUME:-0}" = 1 ]; then
+    fs "${train[@]}" "${taps[@]}" --total-steps "${TOTAL_STEPS:-30000}" --resume "$dest/ckpt/$design" \
+        --out "$dest/ckpt/$design.next"
+    rm -rf "$dest/ckpt/$design" && mv "$dest/ckpt/$design.next" "$dest/ckpt/$design"
+  else
+    fs "${train[@]}" --total-steps "${TOTAL_STEPS:-30000}" --width 512 --heads 4 --draft-vocab 32768 "${taps[@]}" \
+        --out "$dest/ckpt/$design"
+  fi
+done
+
+# Tokens per step on the field's benchmarks (greedy and sampled), every drafter × γ.
+drafts=(--draft "feature:$dest/ckpt/last" --draft "feature:$dest/ckpt/fused")
+for d in ${BASELINES:-feature:$committed/general ngram}; do drafts+=(--draft "$d"); done
+eval=(--gammas 3,5,7 --styles chat --max-new-tokens "${EVAL_TOKENS:-256}" "${compile[@]}")
+for t in ${TEMPERATURES:-0 1}; do
+  fs bench acceptance --target "$target" "${drafts[@]}" "${eval[@]}" --temperature "$t" --workload mt-bench \
+      "${mtbench[@]}" --prompts-per-domain "${MT_PER_CATEGORY:-10}" --out "$dest/acceptance-mt-bench-t$t"
+  fs bench acceptance --target "$target" "${drafts[@]}" "${eval[@]}" --temperature "$t" --workload humaneval \
+      "${humaneval[@]}" --prompts-per-domain "${PROBLEMS:-164}" --out "$dest/acceptance-humaneval-t$t"
+done
+fs bench training "$dest/ckpt/last" "$dest/ckpt/fused" ${TRAINING_BASELINE-$committed/general} --out "$dest/training"
