@@ -298,3 +298,38 @@ def test_the_cpu_device_name_says_which_vector_instructions_torch_uses():
     the calibration key's device names torch's CPU capability (SPEC.md §13)."""
     name = calibrate.device_name(torch.device("cpu"))
     assert name.endswith(", " + torch.backends.cpu.get_cpu_capability()) and "threads" in name
+
+
+def test_erratic_timings_are_used_but_not_cached(timed, monkeypatch):
+    """A busy machine's timings would decide every later run from the cache: a curve where a wider
+    forward took far less than a narrower one is used for this call, reported, and not kept."""
+    from flashspec.tuning import calibrate
+
+    monkeypatch.setattr(calibrate, "ERRATIC", 0.6)  # the check itself (tests/conftest.py turns it off)
+    erratic = iter([0.5, 0.62, 1.98, 3.10, 1.42])  # the warm-up, then widths 1-4: width 4 at 0.46x width 3
+    monkeypatch.setattr(calibrate, "_forward_cost", lambda lm, width, context, repeats: next(erratic))
+    with pytest.warns(RuntimeWarning, match=r"erratic \(4 tokens took 0.46× the time of 3\)"):
+        got, path = measure(MODEL, 4, context=8, repeats=1, progress=False)
+    assert got.seconds == (0.62, 1.98, 3.10, 1.42) and not path.exists()
+    steady = iter([0.5, 0.60, 0.61, 0.66, 0.70])
+    monkeypatch.setattr(calibrate, "_forward_cost", lambda lm, width, context, repeats: next(steady))
+    got, path = measure(MODEL, 4, context=8, repeats=1, progress=False)
+    assert path.is_file() and json.loads(path.read_text())["seconds"] == [0.60, 0.61, 0.66, 0.70]
+
+
+def test_erratic_curves_and_steps_are_told_from_steady_ones(monkeypatch):
+    from flashspec.tuning import auto, calibrate
+    from flashspec.tuning.auto import erratic_steps
+    from flashspec.tuning.calibrate import erratic_curve
+
+    monkeypatch.setattr(calibrate, "ERRATIC", 0.6)  # the checks' thresholds (tests/conftest.py turns them off)
+    monkeypatch.setattr(auto, "STEADY_SPREAD", 0.5)
+
+    assert erratic_curve([0.6, 0.58, 0.65, 0.7]) is None  # within noise
+    assert erratic_curve([1.2, 1.85, 2.9, 3.3, 3.6, 3.1, 1.15]) == "7 tokens took 0.32× the time of 5"
+    assert erratic_curve([0.001, 0.0001]) is None  # too short to judge
+    steady = [0.80, 0.82, 0.79, 0.81, 0.80, 0.83]
+    assert erratic_steps({"target@0": steady, "feature@4": [1.3, 1.31, 1.29, 1.32]}) is None
+    busy = {"target@0": steady, "feature@4": [1.3, 4.8, 1.4, 5.2, 2.9, 6.0]}
+    assert erratic_steps(busy).startswith("feature@4: its steps' quartiles")
+    assert erratic_steps({"ngram@4": [0.001, 0.01, 0.002, 0.02]}) is None  # too short to judge

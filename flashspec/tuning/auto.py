@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 
 from ..checks import check_int
 from .calibrate import (
+    JUDGED,
     CostCurve,
     _cache_path,
     _read_json,
@@ -32,7 +34,8 @@ from .calibrate import (
     model_identity,
 )
 
-__all__ = ["ALPHA_HIGH", "ALPHA_LOW", "Choice", "calibrate_engine", "calibrated_engine", "choose_dtype", "measure_steps",
+__all__ = ["ALPHA_HIGH", "ALPHA_LOW", "Choice", "calibrate_engine", "calibrated_engine", "choose_dtype", "erratic_steps",
+           "measure_steps",
            "seed_guard_priors", "speedup_from_steps"]
 
 ALPHA_LOW = 0.6  # an acceptance rate most drafters reach on most text
@@ -150,15 +153,22 @@ def measure_steps(engine: Any, *, context: int = CONTEXT, steps: int = STEPS, us
     record = _read_json(path, key) if use_cache else None
     if record is None:
         ids = torch.randint(0, engine.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-        seconds, first = [], []
+        seconds, first, spreads = [], [], {}
         for arm in tqdm(range(len(engine.arms)), desc="timing decode steps", unit="arm", disable=not progress):
             engine.selection = engine.new_selection("fixed", arm=arm)
             out = engine.generate([ids], max_new_tokens=steps + 1, eos_token_id=[])  # `steps` decode steps
             times = [r.seconds for r in out.stats.step_log if r.rows]
             seconds.append(statistics.median(times[1:] or times))  # (a drafter accepted whole: fewer steps)
+            spreads[engine.arm_label(arm)] = times[1:]
             first.append(times[0])
         record = {"seconds": seconds, "first": first}
-        _write_json(path, key, record)
+        erratic = erratic_steps(spreads)
+        if erratic is None:
+            _write_json(path, key, record)
+        else:  # used for this run, not kept (as the forward curves, SPEC.md §13)
+            warnings.warn(f"The decode-step timings are erratic ({erratic}): another program may be using this "
+                          "machine. They are used now but not cached; run again when it is quiet.",
+                          RuntimeWarning, stacklevel=2)
     seconds, first = record["seconds"], record["first"]
     by_arm = {engine.arm_label(a): s for a, s in enumerate(seconds)}
     base = by_arm["target@0"]
@@ -286,3 +296,21 @@ def seed_guard_priors(engine: Any, choice: Choice) -> None:
         if name in choice.catch_up_seconds:
             ratio = choice.catch_up_seconds[name] / choice.target_step * bucket(width) / width
             engine.costs.seed_catch_up((d, bucket(width)), ratio)
+
+
+STEADY_SPREAD = 0.5  # steps of one arm whose quartiles differ by more than this share of their median
+
+
+def erratic_steps(times: dict[str, list[float]]) -> str | None:
+    """Why decode-step timings cannot be a steady machine's, or None: the steps of one arm do the
+    same work, so their interquartile range beyond :data:`STEADY_SPREAD` of their median means the
+    timings were disturbed (arms with fewer than 4 steps, or steps under
+    :data:`~flashspec.tuning.calibrate.JUDGED` seconds, are not judged)."""
+    for label, values in times.items():
+        if len(values) < 4:
+            continue
+        q1, median, q3 = statistics.quantiles(values, n=4)
+        if median >= JUDGED and (q3 - q1) / median > STEADY_SPREAD:
+            return f"{label}: its steps' quartiles {q1 * 1e3:.1f}–{q3 * 1e3:.1f} ms around {median * 1e3:.1f} ms"
+    return None
+

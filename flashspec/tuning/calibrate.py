@@ -36,7 +36,7 @@ from ..paths import cache_dir
 from ..version import __version__
 from . import timing
 
-__all__ = ["DEFAULT_CONTEXT", "CostCurve", "calibration_dir", "device_name", "measure", "model_identity",
+__all__ = ["DEFAULT_CONTEXT", "CostCurve", "calibration_dir", "device_name", "erratic_curve", "measure", "model_identity",
            "predict_speedup", "predicted_tokens_per_second"]
 
 FORMAT = 1  # the cache file's layout; a file of another format is re-measured
@@ -295,5 +295,28 @@ def measure(model: Any, max_width: int, *, context: int | None = None, repeats: 
                           disable=not progress):
             seconds.append(_forward_cost(lm, width, context, repeats))
     curve = CostCurve(seconds=tuple(seconds), **key)
-    _write_cached(path, curve)
+    erratic = erratic_curve(curve.seconds)
+    if erratic is None:
+        _write_cached(path, curve)
+    else:  # used for this run, not kept: a busy machine's timings would decide every later run
+        warnings.warn(f"The forward timings of {label or key['model']} are erratic ({erratic}): another program may "
+                      "be using this machine. They are used now but not cached; run again when it is quiet.",
+                      RuntimeWarning, stacklevel=2)
     return curve, path
+
+
+ERRATIC = 0.6  # a wider forward measured below this share of a narrower one: not a steady machine
+JUDGED = 0.02  # seconds: shorter timings are not judged (launch and timer noise, not another program)
+
+
+def erratic_curve(seconds: tuple[float, ...] | list[float]) -> str | None:
+    """Why a cost curve cannot be a steady machine's, or None: a forward over more tokens never
+    costs much less than one over fewer (it does the same work and more), so a width timed under
+    :data:`ERRATIC` of a narrower one (of at least :data:`JUDGED` seconds) means the timings were
+    disturbed."""
+    for width in range(2, len(seconds) + 1):
+        narrower = max(range(1, width), key=lambda w: seconds[w - 1])
+        if seconds[narrower - 1] >= JUDGED and seconds[width - 1] < ERRATIC * seconds[narrower - 1]:
+            return (f"{width} tokens took {seconds[width - 1] / seconds[narrower - 1]:.2f}× the time of "
+                    f"{narrower}")
+    return None
