@@ -1,6 +1,7 @@
 """The ``flashspec`` command: ``generate``, ``demo``, ``calibrate`` (:mod:`~flashspec.cli.commands`),
-``train-drafter``, ``distill`` (:mod:`~flashspec.cli.train`), ``serve`` (:mod:`~flashspec.cli.serve`)
-and ``bench ...`` (:mod:`~flashspec.cli.bench`); the flags they share are in
+``train-drafter``, ``distill`` (:mod:`~flashspec.cli.train`), ``export-drafter``
+(:mod:`~flashspec.cli.export`), ``serve`` (:mod:`~flashspec.cli.serve`) and ``bench ...``
+(:mod:`~flashspec.cli.bench`); the flags they share are in
 :mod:`~flashspec.cli.options`.
 
 Each sub-parser names its function with ``set_defaults(run=...)``; :func:`main` calls it and
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, commands, serve, train
+from . import bench, commands, export, serve, train
 
 __all__ = ["main"]
 
@@ -33,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     commands.add_parsers(sub)
     train.add_parsers(sub)
+    export.add_parsers(sub)
     bench.add_parsers(sub)
     serve.add_parsers(sub)
     return parser

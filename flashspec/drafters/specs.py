@@ -1,6 +1,7 @@
 """Drafters named as the engine, the command line and the server take them (SPEC.md §4, §11):
 a loaded model, a path / hub id / ``.gguf`` file, ``"ngram"``, ``"early-exit:N"``,
-``"feature:DIR"``, ``"shallow:DIR"`` or a :class:`~flashspec.drafters.base.Drafter` object."""
+``"feature:DIR"``, ``"shallow:DIR"``, ``"eagle3:DIR"`` (an EAGLE-3 head, EAGLE/SpecForge or
+speculators layout) or a :class:`~flashspec.drafters.base.Drafter` object."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from ..models.static import StaticLM
 from .base import Drafter
 from .checkpoint import load_head
 from .datastore import DatastoreDrafter
+from .eagle3 import PREFIX as EAGLE3
+from .eagle3 import Eagle3Drafter
+from .eagle3_formats import load_eagle3_head
 from .early_exit import PREFIX as EARLY_EXIT
 from .early_exit import EarlyExitDrafter, parse_early_exit
 from .feature import PREFIX as FEATURE
@@ -37,7 +41,7 @@ def make_drafter(spec: Any, *, target: PreTrainedModel, target_lm: Any, device: 
         raise ValueError(f"{spec.__name__} is a class, not a drafter: pass an instance: {_call(spec)}.")
     if isinstance(spec, str) and spec == "ngram":
         return NgramDrafter()
-    if isinstance(spec, str) and spec.startswith((EARLY_EXIT, FEATURE, SHALLOW)):
+    if isinstance(spec, str) and spec.startswith((EARLY_EXIT, FEATURE, SHALLOW, EAGLE3)):
         return _made_from_target(spec, target, target_lm, compile, reuse_shallow)
     if isinstance(spec, str) and spec.strip().lower() == "ngram":
         raise ValueError(f"Unknown drafter {spec!r}: did you mean 'ngram'? (Drafter names are lower case.)")
@@ -71,14 +75,17 @@ def _call(cls: type) -> str:
 
 def _made_from_target(spec: str, target: PreTrainedModel, target_lm: Any, compile: bool, reuse_shallow: bool
                       ) -> Drafter:
-    """``early-exit:N``, ``feature:DIR`` or ``shallow:DIR``: a drafter sharing the target, its
-    weights and its cache (SPEC.md §11)."""
+    """``early-exit:N``, ``feature:DIR``, ``shallow:DIR`` or ``eagle3:DIR``: a drafter sharing the
+    target, its weights and its cache (SPEC.md §11)."""
     if not isinstance(target_lm, StaticLM):
         raise ValueError(f"{spec!r} needs a target that runs over FlashSpec's static cache "
                          f"(architectures {', '.join(StaticLM.ARCHITECTURES)}).")
     if spec.startswith(EARLY_EXIT):
         return EarlyExitDrafter(target_lm, parse_early_exit(spec, len(target_lm.base.layers)))
     kind, folder = spec.split(":", 1)
+    if spec.startswith(EAGLE3):  # an EAGLE-3 head in the EAGLE or speculators layout (SPEC.md §11.9)
+        head = load_eagle3_head(folder, target)
+        return Eagle3Drafter(target_lm, head, name=f"eagle3-{Path(folder).name or 'head'}")
     head = load_head(folder, target, kind)
     name = f"{kind}-{Path(folder).name or 'drafter'}"
     if kind == "feature":

@@ -1,0 +1,52 @@
+"""``flashspec export-drafter``: an EAGLE-3 head rewritten in the EAGLE/SpecForge or the
+``speculators`` layout (SPEC.md §11.9), for vLLM, SGLang or speculators to load."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..drafters.checkpoint import read_meta
+from ..drafters.eagle3_formats import LAYOUTS, read_eagle3, write_eagle3
+
+__all__ = ["add_parsers", "export_drafter"]
+
+# Why FlashSpec's own heads are refused: their layer is not EAGLE-3's, and no rewrite is exact.
+NOT_EAGLE3 = ("{folder!r} holds a FlashSpec {kind} drafter. Its layer is not EAGLE-3's: FlashSpec feeds "
+              "fc([g; e]) into a decoder layer of the target's class (the residual starts from fc's output), "
+              "where EAGLE-3's attention reads [input_layernorm(e); hidden_norm(g)] through 2·hidden-wide "
+              "q/k/v projections and its residual starts from g. RMSNorm of a mix of g and e is no linear "
+              "map of the two normed halves, so no exact EAGLE-3 weights exist and it is not exported. "
+              "export-drafter rewrites EAGLE-3 heads between the EAGLE and speculators layouts.")
+
+
+def add_parsers(sub: Any) -> None:
+    parser = sub.add_parser(
+        "export-drafter", help="write an EAGLE-3 head in the EAGLE/SpecForge or speculators layout",
+        description="Rewrite the EAGLE-3 head in DIR (either layout) in the layout --to names: the same "
+                    "tensors, so it drafts exactly as before. What the layout cannot express is refused.")
+    parser.add_argument("source", metavar="DIR", help="an EAGLE-3 head: EAGLE/SpecForge or speculators layout")
+    parser.add_argument("--to", required=True, choices=LAYOUTS,
+                        help="eagle3: EAGLE/SpecForge; speculators: Eagle3Speculator")
+    parser.add_argument("--out", required=True, metavar="OUT", help="the folder to write (created if missing)")
+    parser.add_argument("--verifier", default=None, metavar="MODEL",
+                        help="the target's hub id or folder, recorded in a speculators config "
+                             "(needed --to speculators unless DIR records one)")
+    parser.set_defaults(run=export_drafter)
+
+
+def export_drafter(args: argparse.Namespace) -> None:
+    source, out = Path(args.source), Path(args.out)
+    if (source / "drafter.json").is_file():
+        raise ValueError(NOT_EAGLE3.format(folder=str(source), kind=read_meta(source).get("kind", "")))
+    if out.exists() and out.resolve() == source.resolve():
+        raise ValueError("--out must be another folder than DIR.")
+    ckpt = read_eagle3(source)
+    if args.verifier:
+        ckpt.verifier["name_or_path"] = args.verifier
+    if args.to == "speculators" and not ckpt.verifier.get("name_or_path"):
+        raise ValueError("A speculators checkpoint names its target: give --verifier MODEL (its hub id or folder; "
+                         "speculators' Eagle3DraftModel.from_pretrained reads that model's config).")
+    write_eagle3(ckpt, out, args.to)
+    print(f"Wrote {ckpt.layout} head {str(source)!r} in the {args.to} layout to {str(out)!r}.")
