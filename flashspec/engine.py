@@ -38,6 +38,7 @@ from .models.target import load_target
 from .select import Selection, Selector
 from .select.guard import DEFAULT_SLACK, CostMemory, Guard, check_slack
 from .stats import DrafterStats, GenerationOutput, GenerationStats
+from .verify import check_acceptance
 
 __all__ = ["SpeculativeEngine", "GenerationOutput", "GenerationStats", "Selection"]
 
@@ -109,6 +110,8 @@ class SpeculativeEngine:
             or Mistral target on a CUDA GPU).
         warmup_batch_sizes: the numbers of prompts per call to warm up (default ``(1,)``); where
             shapes are fixed a call of ``B`` prompts runs over ``2^⌈log₂ B⌉`` rows.
+        acceptance: ``"token"`` (default: each draft tested alone, SPEC.md §2 step 4) or ``"block"``
+            (the drafted block verified jointly: the same law, never fewer drafts kept in expectation).
     """
 
     def __init__(
@@ -131,7 +134,9 @@ class SpeculativeEngine:
         max_length: int | None = None,
         warmup: bool | None = None,
         warmup_batch_sizes: Sequence[int] = (1,),
+        acceptance: str = "token",
     ) -> None:
+        self.acceptance = check_acceptance(acceptance)
         check_flag("reuse_shallow", reuse_shallow)
         check_flag("bit_exact", bit_exact)
         if warmup is not None:
@@ -442,6 +447,7 @@ class SpeculativeEngine:
             stage_drafts=self._stage_drafts,
             tp=None if running_batch else self._tp,
             queue_ahead=self.queue_ahead and not running_batch,
+            acceptance=self.acceptance,
         )
 
     def new_guard(self, gammas: Sequence[int]) -> Guard | None:

@@ -9,6 +9,12 @@ One public function, :func:`verify`, with two backends behind the same signature
 SPEC.md §2 step 4 is the contract both follow. ``backend="auto"`` picks Triton for CUDA logits
 when Triton imports, else the reference; the environment variable ``FLASHSPEC_VERIFY_BACKEND``
 (``reference`` or ``triton``) overrides that choice.
+
+``acceptance="block"`` decides on the drafted block jointly instead of draft by draft (block
+verification, SPEC.md §2 "Block verification"): the same law, at least as many drafts kept in
+expectation. Sampled, it runs on the reference backend's tensor operations on every device (the
+Triton kernels verify draft by draft); greedy is step 4's rule either way (the block rule reduces
+to it).
 """
 
 from __future__ import annotations
@@ -21,10 +27,14 @@ import torch
 from .kernels import shim
 from .sampling import SamplingParams, probabilities, sample
 
-__all__ = ["BACKENDS", "VerifyResult", "verify"]
+__all__ = ["ACCEPTANCES", "BACKENDS", "VerifyResult", "verify"]
 
 BACKENDS = ("auto", "reference", "triton")
 """Names accepted by ``verify(..., backend=...)``."""
+
+ACCEPTANCES = ("token", "block")
+"""Names accepted by ``verify(..., acceptance=...)``: draft by draft (SPEC.md §2 step 4), or the
+block jointly (§2, "Block verification")."""
 
 BACKEND_ENV = "FLASHSPEC_VERIFY_BACKEND"
 """Environment variable that overrides ``backend="auto"`` (``reference`` or ``triton``)."""
@@ -49,6 +59,7 @@ def verify(
     uniforms: torch.Tensor | None = None,
     *,
     backend: str = "auto",
+    acceptance: str = "token",
 ) -> VerifyResult:
     """Accept a prefix of the drafts and emit one more token, exactly per SPEC.md §2.
 
@@ -63,7 +74,10 @@ def verify(
             draws the final token. Required when sampling; ignored for greedy.
         backend: ``"auto"`` (Triton for CUDA logits when Triton imports, else the reference;
             overridden by ``$FLASHSPEC_VERIFY_BACKEND``), ``"reference"`` or ``"triton"``.
+        acceptance: ``"token"`` (step 4: each draft tested alone) or ``"block"`` (the block
+            verified jointly, SPEC.md §2 "Block verification").
     """
+    check_acceptance(acceptance)
     chosen = _choose_backend(backend, target_logits)
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must have shape [B, k]; got {tuple(draft_tokens.shape)}.")
@@ -81,12 +95,24 @@ def verify(
         )
     if params.do_sample and (uniforms is None or uniforms.shape != (batch, k + 1)):
         raise ValueError(f"Sampling needs uniforms of shape [{batch}, {k + 1}].")
+    if acceptance == "block" and params.do_sample:  # one backend yet: this one's tensor operations (§2)
+        return _verify_block(target_logits, draft_tokens, draft_probs, params, uniforms)
     if chosen == "triton":
         from .kernels.verify import verify_triton
 
         num_accepted, tokens = verify_triton(target_logits, draft_tokens, draft_probs, params, uniforms)
         return VerifyResult(num_accepted, tokens)
+    if acceptance == "block":
+        return _verify_block(target_logits, draft_tokens, draft_probs, params, uniforms)
     return _verify_reference(target_logits, draft_tokens, draft_probs, params, uniforms)
+
+
+def check_acceptance(acceptance: object) -> str:
+    """``acceptance`` itself when it names a verification rule, else a ``ValueError``."""
+    if not isinstance(acceptance, str) or acceptance not in ACCEPTANCES:
+        raise ValueError(f"acceptance must be 'token' (each draft tested alone) or 'block' (the block verified "
+                         f"jointly, SPEC.md §2); got {acceptance!r}.")
+    return acceptance
 
 
 def _choose_backend(backend: str, target_logits: torch.Tensor) -> str:
@@ -156,6 +182,78 @@ def _verify_reference(
     has_mass = residual.sum(dim=-1, keepdim=True) > 0
     final = sample(torch.where(has_mass, residual, p_final), uniforms[:, k])
     return VerifyResult(num_accepted, _assemble(draft_tokens, num_accepted, final, columns))
+
+
+def _verify_block(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    uniforms: torch.Tensor | None,
+) -> VerifyResult:
+    """Block verification (SPEC.md §2, "Block verification"; Sun et al., arXiv:2403.10444,
+    Algorithm 2), batched over rows. Greedy is step 4's rule, which is what it reduces to."""
+    if not params.do_sample:
+        return _verify_reference(target_logits, draft_tokens, draft_probs, params, uniforms)
+    if uniforms is None:
+        raise ValueError("Sampling needs uniforms.")
+    batch, k = draft_tokens.shape
+    device = target_logits.device
+    p = probabilities(target_logits, params)  # [B, k+1, V] float32
+    p_draft = p[:, :k].gather(2, draft_tokens[..., None]).squeeze(2).double()  # [B, k]
+    if draft_probs is None:  # a deterministic drafter: q_i = onehot(d_i)
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2).double()
+
+    # Step 1, forward: running weights w_i = min(1, w_{i-1} p_i(d_i) / q_i(d_i)), w_0 = 1.
+    # E.g. ratios p/q = [0.5, 3, 0.5] give w = [1, 0.5, 1, 0.5].
+    weights = [torch.ones(batch, dtype=torch.float64, device=device)]
+    for i in range(k):
+        scaled, q = weights[-1] * p_draft[:, i], q_draft[:, i]
+        ratio = torch.where(scaled >= q, torch.ones_like(q), scaled / torch.where(q > 0, q, torch.ones_like(q)))
+        weights.append(torch.where(scaled > 0, ratio, torch.zeros_like(ratio)))
+    w = torch.stack(weights, dim=1)  # [B, k+1]: w_0 .. w_k
+
+    # Step 2: residual masses Z_i = sum_x max(0, w_i p_{i+1}(x) - q_{i+1}(x)), with q_{k+1} = 0.
+    mass = _residual_masses(w, p, p_draft, draft_probs)  # [B, k+1]
+
+    # Step 3, backward: n = the largest i in 1..k whose test u_i < h_i passes (0 if none),
+    # h_i = Z_i / (Z_i + 1 - w_i), 0 where Z_i = 0 (nothing to draw from after i drafts).
+    stop = torch.where(mass > 0, mass / (mass + 1.0 - w).clamp(min=1e-300), torch.zeros_like(mass))
+    passed = uniforms[:, :k].double() < stop[:, 1:]  # [B, k]
+    positions = torch.arange(1, k + 1, device=device).expand(batch, k)
+    num_accepted = torch.where(passed, positions, torch.zeros_like(positions))
+    num_accepted = num_accepted.amax(dim=1) if k > 0 else num_accepted.sum(dim=1)  # (k = 0: n = 0)
+
+    # Step 4: the new token from r_n = max(0, w_n p_{n+1} - q_{n+1}) (the bonus token at n = k).
+    rows = torch.arange(batch, device=device)
+    p_final = p[rows, num_accepted].double()  # [B, V]
+    q_final = _draft_law_at(draft_tokens, draft_probs, num_accepted, p_final)
+    residual = torch.clamp(w[rows, num_accepted][:, None] * p_final - q_final, min=0.0)
+    has_mass = residual.sum(dim=-1, keepdim=True) > 0
+    final = sample(torch.where(has_mass, residual, p_final), uniforms[:, k])
+    columns = torch.arange(k + 1, device=device)
+    return VerifyResult(num_accepted, _assemble(draft_tokens, num_accepted, final, columns))
+
+
+def _residual_masses(
+    w: torch.Tensor, p: torch.Tensor, p_draft: torch.Tensor, draft_probs: torch.Tensor | None
+) -> torch.Tensor:
+    """``Z_i = Σ_x max(0, w_i p_{i+1}(x) − q_{i+1}(x))`` for ``i = 0..k`` as ``[B, k+1]`` float64.
+
+    ``q_{k+1} = 0`` (no draft follows the last), so ``Z_k = w_k``. A one-hot ``q`` (no
+    ``draft_probs``) has the closed form ``w_i (1 − p_{i+1}(d_{i+1}))``: ``w_i p ≤ 1`` everywhere.
+    """
+    k = p_draft.shape[1]
+    scaled = w[:, :, None] * p.double()  # [B, k+1, V]
+    if draft_probs is None:
+        total = scaled.sum(dim=-1)
+        at_draft = w[:, :k] * p_draft  # w_i p_{i+1}(d_{i+1}), i < k
+        head = total[:, :k] - at_draft + torch.clamp(at_draft - 1.0, min=0.0)
+        return torch.cat([head, total[:, k:]], dim=1)
+    head = torch.clamp(scaled[:, :k] - draft_probs.double(), min=0.0).sum(dim=-1)
+    return torch.cat([head, scaled[:, k].sum(dim=-1, keepdim=True)], dim=1)
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:

@@ -166,7 +166,8 @@ def _load_pair(target: str, drafts: list[str], tokenizer: str | None, args: argp
     engine = calibrated_engine(target, drafts, tokenizer=tokenizer, device=args.device,
                                           dtype=DTYPES[args.dtype] if args.dtype else None,
                                           gammas=None if gamma is None else [gamma],
-                                          use_cache=not args.no_calibration_cache, bit_exact=args.bit_exact)
+                                          use_cache=not args.no_calibration_cache, bit_exact=args.bit_exact,
+                                          acceptance=args.acceptance)
     print(engine.choice.explain())
     print()
     baseline = SpeculativeEngine(engine.target, [], tokenizer=engine.tokenizer, bit_exact=args.bit_exact)

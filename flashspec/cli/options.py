@@ -6,7 +6,8 @@ import argparse
 
 from ..models.loading import DTYPES
 
-__all__ = ["add_compile", "add_device", "add_drafts", "add_progress", "add_sampling", "add_target", "add_tokenizer"]
+__all__ = ["add_acceptance", "add_compile", "add_device", "add_drafts", "add_progress", "add_sampling", "add_target",
+           "add_tokenizer"]
 
 MODEL = "folder, hub id or .gguf file"
 DRAFTERS = ("drafter: folder, hub id, .gguf file, 'ngram', 'early-exit:N', 'feature:DIR' or 'shallow:DIR' "
@@ -48,6 +49,13 @@ def add_progress(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def add_acceptance(p: argparse.ArgumentParser) -> None:
+    """``--acceptance``: the verification rule (SPEC.md §2)."""
+    p.add_argument("--acceptance", default="token", choices=["token", "block"],
+                   help="token (default): each draft tested alone; block: the drafted block verified jointly "
+                        "(the same output law, never fewer drafts kept in expectation)")
+
+
 def add_sampling(p: argparse.ArgumentParser) -> None:
     """The sampling, draft-length and timing flags of ``generate`` and ``demo``."""
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -57,6 +65,7 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", "--gamma", type=int, default=None,
                    help="tokens drafted per step (default: chosen per drafter by timing its steps here)")
     p.add_argument("--seed", type=int, default=None)
+    add_acceptance(p)
     add_device(p, dtype_help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16 here "
                              "(timed once)")
     p.add_argument("--no-calibration-cache", action="store_true",

@@ -103,7 +103,7 @@ class BatchRun(_Run):
 
     def graph_key(self, k: int, has_probs: bool, reuse: int | None) -> tuple:
         """Steps replay one graph per draft length and parameter sets (whichever slots use them)."""
-        return k, has_probs, self.param_sets, reuse
+        return k, has_probs, self.param_sets, reuse, self.plan.acceptance
 
     def _draw_random(self) -> None:
         """Each occupied row's random numbers from its own generator (SPEC.md §12)."""
@@ -125,7 +125,7 @@ class BatchRun(_Run):
         num_accepted = torch.zeros(self.batch, dtype=torch.long, device=logits.device)
         tokens = torch.zeros(self.batch, drafts.shape[1] + 1, dtype=torch.long, device=logits.device)
         for g, params in enumerate(self.param_sets):
-            part = verify(logits, drafts, probs, params, uniforms)
+            part = verify(logits, drafts, probs, params, uniforms, acceptance=self.plan.acceptance)
             mask = self._masks[g]
             num_accepted = torch.where(mask, part.num_accepted, num_accepted)
             tokens = torch.where(mask[:, None], part.tokens, tokens)

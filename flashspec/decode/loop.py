@@ -210,7 +210,7 @@ class _Run:
     def graph_key(self, k: int, has_probs: bool, reuse: int | None) -> tuple:
         """The key of this step's score-verify-commit graph: what the captured work depends on
         besides the workspace's tensors (SPEC.md §7)."""
-        return k, has_probs, self.params, reuse
+        return k, has_probs, self.params, reuse, self.plan.acceptance
 
     def _select(self) -> tuple[int | None, int]:
         """The arm of this step and its draft length (no arm, 0 drafts: target-only)."""
@@ -290,7 +290,7 @@ class _Run:
     def _verify(self, logits: torch.Tensor, drafts: torch.Tensor, probs: torch.Tensor | None,
                 uniforms: torch.Tensor) -> VerifyResult:
         """Verify every row's drafts with the request's sampling parameters (SPEC.md §2)."""
-        return verify(logits, drafts, probs, self.params, uniforms)
+        return verify(logits, drafts, probs, self.params, uniforms, acceptance=self.plan.acceptance)
 
     def _check_draft(self, drafter: Drafter, draft: Any, k: int) -> None:
         """A drafter's output has the protocol's shapes (checked on the host: no device read)."""

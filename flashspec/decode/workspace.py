@@ -100,3 +100,4 @@ class Plan:
     stage_drafts: Callable[..., None]  # stage_drafts, or its compiled form
     tp: Any  # flashspec.models.parallel.TensorParallel, or None on one device
     queue_ahead: bool  # queue the next step before a poll waits (CUDA)
+    acceptance: str = "token"  # the verification rule: "token" or "block" (SPEC.md §2)
