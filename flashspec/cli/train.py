@@ -167,6 +167,10 @@ def train_drafter(args: argparse.Namespace) -> None:
                            max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)  # checked first
     if args.rank is not None and args.base is None:
         raise ValueError("--rank trains a low-rank delta over a base drafter: give --base DIR too.")
+    if args.total_steps is not None:
+        from ..checks import check_int
+
+        check_int("--total-steps", args.total_steps, 1)
     if args.resume and args.base:
         raise ValueError("--resume continues a drafter on its own schedule and --base starts a new one from it: "
                          "give one of them.")
