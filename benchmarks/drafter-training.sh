@@ -11,11 +11,13 @@
 #   writes OUT/data/ (shards, manifest.json), OUT/ckpt/{last,fused}/, OUT/acceptance-{mt-bench,humaneval}/,
 #   OUT/training.{md,json}
 # Environment (defaults in brackets): SHAREGPT [fetched], MTBENCH and HUMANEVAL [$FLASHSPEC_MTBENCH and
-#   $FLASHSPEC_HUMANEVAL, else fetched], CORPUS [../shared/corpus], CONVERSATIONS [4000], CORPUS_COUNT [512 per
-#   domain], MINUTES [8 per drafter and run], STEPS_PER_RUN [6000: one run's slice of the schedule, ended early
+#   $FLASHSPEC_HUMANEVAL, else fetched], STAGES ["data train eval": the parts to run], CORPUS [../shared/corpus], CONVERSATIONS [4000], CORPUS_COUNT [512 per
+#   domain], DISTILL_MINUTES [no limit: distilling stops between shards after this long, and the next run
+#   continues it], DESIGNS ["last fused"], MINUTES [8 per drafter and run], STEPS_PER_RUN [6000: one run's slice of the schedule, ended early
 #   by MINUTES], TOTAL_STEPS [30000: the schedule over every run], RESUME [0],
 #   MT_PER_CATEGORY [10: all 80 MT-bench questions, both turns], PROBLEMS [164 HumanEval problems],
-#   TEMPERATURES ["0 1"], NEW_TOKENS [256 per answer], MAX_CONTEXT [2048 tokens before an answer], BATCH [16] and SEQ_LEN [512] of training, BASELINES
+#   TEMPERATURES ["0 1"], EVAL_BATCH [16 requests decoded together: tokens per step do not depend on it],
+#   NEW_TOKENS [256 per answer], MAX_CONTEXT [2048 tokens before an answer], BATCH [16] and SEQ_LEN [512] of training, BASELINES
 #   [the committed general drafter and ngram: measured beside], EVAL_TOKENS [256 new tokens per benchmark request], TRAINING_BASELINE [the committed general drafter].
 set -euo pipefail
 [ $# -eq 2 ] || { echo "usage: $0 TARGET OUT" >&2; exit 2; }
@@ -24,25 +26,28 @@ target=$1 dest=$2
 corpus=${CORPUS:-../shared/corpus}
 committed=flashspec/checkpoints/qwen2.5-coder-1.5b-instruct
 fs() { "$python" -m flashspec "$@"; }
-compile=(); "$python" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' && compile=(--compile)
 sharegpt=(); [ -n "${SHAREGPT:-}" ] && sharegpt=(--sharegpt-file "$SHAREGPT")
 mtbench=(); [ -n "${MTBENCH:-}" ] && mtbench=(--mtbench-file "$MTBENCH")
 humaneval=(); [ -n "${HUMANEVAL:-}" ] && humaneval=(--humaneval-file "$HUMANEVAL")
 mkdir -p "$dest/ckpt"
 
+stage() { [[ " ${STAGES:-data train eval} " == *" $1 "* ]]; }
+designs=(${DESIGNS:-last fused})
+
 # The data: made once, continued where a stopped run left it.
-fs distill --target "$target" --source mixed "${sharegpt[@]}" --conversations "${CONVERSATIONS:-4000}" \
+stage data && fs distill --target "$target" --source mixed "${sharegpt[@]}" --conversations "${CONVERSATIONS:-4000}" \
     --max-turns 4 --corpus "$corpus" --domain all --count "${CORPUS_COUNT:-512}" --batch 128 \
     --max-new-tokens "${NEW_TOKENS:-256}" --max-context "${MAX_CONTEXT:-2048}" --no-progress \
-    --out "$dest/data"
+    ${DISTILL_MINUTES:+--max-minutes "$DISTILL_MINUTES"} --out "$dest/data"
 
 # Two designs, the same minutes each, on the same data and schedule.
 train=(train-drafter --target "$target" --data "$dest/data" --batch "${BATCH:-16}" --seq-len "${SEQ_LEN:-512}"
        --estimate-every 200
        --lr-layers 3e-4 --lr-head 3e-4 --steps "${STEPS_PER_RUN:-6000}" --max-minutes "${MINUTES:-8}")
-for design in last fused; do
+for design in "${designs[@]}"; do
+  stage train || break
   taps=(); [ $design = fused ] && taps=(--taps --unroll 7)
-  if [ "${RESUME:-0}" = 1 ]; then
+  if [ "${RESUME:-0}" = 1 ] && [ -d "$dest/ckpt/$design" ]; then
     fs "${train[@]}" "${taps[@]}" --total-steps "${TOTAL_STEPS:-30000}" --resume "$dest/ckpt/$design" \
         --out "$dest/ckpt/$design.next"
     rm -rf "$dest/ckpt/$design" && mv "$dest/ckpt/$design.next" "$dest/ckpt/$design"
@@ -53,13 +58,16 @@ for design in last fused; do
 done
 
 # Tokens per step on the field's benchmarks (greedy and sampled), every drafter × γ.
-drafts=(--draft "feature:$dest/ckpt/last" --draft "feature:$dest/ckpt/fused")
+# Answers end at the target's EOS (the benchmarks' convention); tokens per step, not speed: no compile.
+drafts=(); for design in "${designs[@]}"; do drafts+=(--draft "feature:$dest/ckpt/$design"); done
 for d in ${BASELINES:-feature:$committed/general ngram}; do drafts+=(--draft "$d"); done
-eval=(--gammas 3,5,7 --styles chat --max-new-tokens "${EVAL_TOKENS:-256}" "${compile[@]}")
+eval=(--gammas 3,5,7 --styles chat --max-new-tokens "${EVAL_TOKENS:-256}" --batch "${EVAL_BATCH:-16}")
+stage eval || exit 0
 for t in ${TEMPERATURES:-0 1}; do
   fs bench acceptance --target "$target" "${drafts[@]}" "${eval[@]}" --temperature "$t" --workload mt-bench \
       "${mtbench[@]}" --prompts-per-domain "${MT_PER_CATEGORY:-10}" --out "$dest/acceptance-mt-bench-t$t"
   fs bench acceptance --target "$target" "${drafts[@]}" "${eval[@]}" --temperature "$t" --workload humaneval \
       "${humaneval[@]}" --prompts-per-domain "${PROBLEMS:-164}" --out "$dest/acceptance-humaneval-t$t"
 done
-fs bench training "$dest/ckpt/last" "$dest/ckpt/fused" ${TRAINING_BASELINE-$committed/general} --out "$dest/training"
+trained=(); for design in "${designs[@]}"; do trained+=("$dest/ckpt/$design"); done
+fs bench training "${trained[@]}" ${TRAINING_BASELINE-$committed/general} --out "$dest/training"

@@ -181,9 +181,12 @@ def run(
     tokenizer: Any = None,
     warm_up: bool = True,
     progress: bool = True,
+    stop_at_eos: bool = False,
 ) -> dict[str, Any]:
     """Decode every style's and domain's ``requests`` (from :func:`make_requests`) with one fixed
-    arm per drafter × γ; one row per (drafter, γ, domain, style). ``drafters`` maps a name to a
+    arm per drafter × γ; one row per (drafter, γ, domain, style). ``stop_at_eos``: each answer
+    ends at the target's EOS (the field's convention on MT-bench and HumanEval); otherwise every
+    row generates exactly ``max_new_tokens``. ``drafters`` maps a name to a
     loaded model, ``"ngram"``, a self-drafter spec (``early-exit:N``, ``feature:DIR``,
     ``shallow:DIR``) or a Drafter object. ``warm_up``: one untimed call per engine and style first
     (allocation, compilation, CUDA graphs)."""
@@ -199,7 +202,8 @@ def run(
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "compile": compile,
             "prompts_per_domain": min(counts), "warm_up": warm_up, "selector": "fixed",
             "heldout": f"last {HELDOUT_FRACTION:.0%} of each corpus file's decompressed bytes",
-            "eos": "disabled: every row generates exactly max_new_tokens",
+            "eos": ("stops each answer (at most max_new_tokens)" if stop_at_eos
+                    else "disabled: every row generates exactly max_new_tokens"),
             "drafter_forward_share": "host time inside the drafter's own forwards over decode time (meaningful on "
                                      "the CPU; None for n-gram lookup and early exit)",
         },
@@ -211,6 +215,7 @@ def run(
     total = len(drafters) * len(gammas) * sum(len(g) for by_domain in groups.values() for g in by_domain.values())
     bar = tqdm(total=total, desc="acceptance", unit="batch", disable=not progress)
     sample = {"do_sample": temperature > 0, "temperature": temperature or 1.0}
+    eos = None if stop_at_eos else []  # None: the target's own EOS ids
     for name, drafter in drafters.items():
         for gamma in gammas:
             engine = _engine(target, name, drafter, gamma, tokenizer, compile)
@@ -226,7 +231,7 @@ def run(
                     seconds, drafter_seconds = 0.0, 0.0
                     for index, prompts in enumerate(batches):
                         before = _drafter_seconds(engine)
-                        out = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=[],
+                        out = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                               seed=seed + index, **sample)
                         after = _drafter_seconds(engine)
                         s = out.stats
@@ -271,6 +276,15 @@ def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "—" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _overall(rows: list[dict[str, Any]]) -> str:
+    """Tokens per step (α) over several domains' rows: their totals pooled, step by step."""
+    steps, proposed = sum(r["row_steps"] for r in rows), sum(r["proposed"] for r in rows)
+    if not steps:
+        return "—"
+    alpha = sum(r["accepted"] for r in rows) / proposed if proposed else 0.0
+    return f"{sum(r['decode_tokens'] for r in rows) / steps:.2f} ({alpha:.2f})"
+
+
 def summarize(results: dict[str, Any]) -> str:
     """Markdown: per style, tokens/step (α) by drafter@γ and domain; then decode tokens/s
     (drafter forward share)."""
@@ -298,11 +312,12 @@ def summarize(results: dict[str, Any]) -> str:
         lines += [f"## {style} prompts ({describe.get(style, style)})", "",
                   ("Tokens per step per row (accepted drafts + the target's token), with the acceptance rate α "
                    "(accepted / proposed drafts) in brackets."), "",
-                  "| drafter@γ | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+                  "| drafter@γ | " + " | ".join(domains) + " | all |", "|---|" + "---|" * (len(domains) + 1)]
         for d, g in arms:
             cells = [f"{get[(d, g, dom)]['tokens_per_step']:.2f} ({get[(d, g, dom)]['acceptance_rate']:.2f})"
                      if (d, g, dom) in get else "—" for dom in domains]
-            lines.append(f"| {d}@{g} | " + " | ".join(cells) + " |")
+            lines.append(f"| {d}@{g} | " + " | ".join(cells + [_overall([r for r in own if (r["drafter"], r["gamma"])
+                                                                          == (d, g)])]) + " |")
         lines += ["", ("Decode tokens/s (prefill excluded), with the drafter's share of decode time in brackets "
                        "where it has forwards of its own."), "",
                   "| drafter@γ | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]

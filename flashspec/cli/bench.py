@@ -169,7 +169,7 @@ def _acceptance_parser(sub: Any) -> None:
                         "'feature:DIR', 'shallow:DIR' or 'store:DOMAIN'; default: the demo's 0.5B and ngram")
     p.add_argument("--tokenizer", default=None, help="default: the target's")
     p.add_argument("--corpus", default="../shared/corpus")
-    add_workload_arguments(p, counts="--prompts-per-domain counts per category then (MT-bench: questions).")
+    add_workload_arguments(p, counts="--prompts-per-domain counts per category then (MT-bench: questions).", eos=True)
     p.add_argument("--gammas", default="2,4,8", help="comma-separated draft lengths")
     p.add_argument("--styles", default=None,
                    help="comma-separated: text (held-out continuations of --prompt-tokens), chat (chat-formatted "

@@ -122,6 +122,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--shard-size", type=int, default=256, help="conversations or prompts per shard")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no new shard after this long; run the command again to continue (default: no limit)")
     add_device(p)
     p.add_argument("--out", required=True,
                    help="a folder for the shards and manifest.json; or a .txt file (corpus only: documents "
@@ -269,6 +271,8 @@ def distill_command(args: argparse.Namespace) -> None:
         check_options(args.count, args.max_new_tokens, args.batch, args.temperature, args.style)
         if args.prompt_tokens is not None and args.prompt_tokens < 1:
             raise ValueError(f"--prompt-tokens must be >= 1; got {args.prompt_tokens}.")
+        if args.max_minutes is not None:
+            raise ValueError("--max-minutes continues a folder of shards: give --out a folder, not a .txt file.")
     else:
         options = DistillOptions(
             source=args.source, conversations=args.conversations, max_turns=args.max_turns,
@@ -279,7 +283,9 @@ def distill_command(args: argparse.Namespace) -> None:
             raise ValueError(f"--sharegpt-file {args.sharegpt_file!r} does not exist.")
         if args.batch < 1:
             raise ValueError(f"--batch must be >= 1; got {args.batch}.")
-    engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device,
+        if args.max_minutes is not None and not args.max_minutes > 0:
+            raise ValueError(f"--max-minutes must be > 0; got {args.max_minutes}.")
+    engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device, warmup=False,
                                dtype=DTYPES[args.dtype] if args.dtype else None)
     if engine.tokenizer is None:
         raise ValueError("Distilling reads text: give --tokenizer (none could be loaded with the target).")
@@ -287,7 +293,8 @@ def distill_command(args: argparse.Namespace) -> None:
         arguments = {k: v for k, v in vars(args).items() if k != "run"}
         manifest = distill_folder(engine.target, engine.tokenizer, args.out, options,
                                   sharegpt_file=args.sharegpt_file, corpus_dir=args.corpus, batch=args.batch,
-                                  progress=not args.no_progress, arguments=arguments)
+                                  progress=not args.no_progress, arguments=arguments,
+                                  max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
         print(_summary(args.out, manifest))
         return
     domains = list(DOMAINS) if args.domain == "all" else [args.domain]
@@ -315,5 +322,7 @@ def _summary(out: str, manifest: dict[str, Any]) -> str:
                     f"{' or '.join(sets)}" if sets else "; not checked against MT-bench or HumanEval (not cached)")
     return (f"wrote {out}: {what or 'nothing'} answered{skipped}, {t['answers']:,} answers ({t['answers_cut']:,} cut at "
             f"--max-new-tokens), {t['answer_tokens']:,} answer tokens of {t['tokens']:,}, {t['samples']:,} samples "
-            f"in {t['shards']} shards, {t['seconds']:.0f} s generating; train on it with "
-            f"flashspec train-drafter --data {out}")
+            f"in {t['shards']} shards, {t['seconds']:.0f} s generating; "
+            + ("train on it with " if manifest.get("complete", True) else
+               "stopped at --max-minutes: run the command again to continue, or train on what is there with ")
+            + f"flashspec train-drafter --data {out}")

@@ -145,24 +145,33 @@ class DistillOptions:
 def distill_folder(
     target: Any, tokenizer: Any, out: str | Path, options: DistillOptions, *, sharegpt_file: str | Path | None = None,
     corpus_dir: str | Path | None = None, batch: int = 64, progress: bool = True,
-    arguments: dict[str, Any] | None = None,
+    arguments: dict[str, Any] | None = None, max_seconds: float | None = None,
 ) -> dict[str, Any]:
     """Distill ``options``' items into the folder ``out`` (token shards and ``manifest.json``,
     :mod:`~flashspec.training.shards`), ``batch`` rows per generate call; shards an earlier run
     of the same identity finished are kept. Returns the manifest. ``arguments``: the command's
-    options, recorded in the manifest. ``target``: a loaded model (or anything
-    ``SpeculativeEngine`` takes)."""
+    options, recorded in the manifest. ``max_seconds``: start no new shard after this long (the
+    manifest's ``complete`` is then False; a later run continues). ``target``: a loaded model
+    (or anything ``SpeculativeEngine`` takes)."""
     from ..decode.request import context_window
     from ..engine import SpeculativeEngine
 
     check_int("batch", batch, 1)
+    if max_seconds is not None:
+        check_number("max_seconds", max_seconds, above=0, rule="a number of seconds > 0")
     if tokenizer is None:
         raise ValueError("Distilling reads and writes text: give a tokenizer.")
-    engine = SpeculativeEngine(target, [], tokenizer=tokenizer)
-    window = context_window(engine.target.config)
+    started = time.perf_counter()
+    if isinstance(target, (str, Path)):
+        target = SpeculativeEngine(target, [], tokenizer=tokenizer, warmup=False).target
+    window = context_window(target.config)
     if window is not None and options.max_context + options.max_new_tokens > window:
         raise ValueError(f"max_context ({options.max_context}) plus max_new_tokens ({options.max_new_tokens}) "
                          f"exceeds the target's context window of {window} tokens.")
+    # Buffers sized once for the longest turn (where shapes are fixed: a CUDA GPU), no warm-up
+    # at batch 1: the first call of each row count captures its graphs, once.
+    engine = SpeculativeEngine(target, [], tokenizer=tokenizer, warmup=False,
+                               max_length=options.max_context + options.max_new_tokens)
     overlap = {"dropped": 0}
     sources, files = _sources(options, engine.tokenizer, sharegpt_file, corpus_dir, overlap)
     identity = {"options": options.relevant(), "target_sha256": weights_sha256(engine.target),
@@ -183,14 +192,21 @@ def distill_folder(
         bar.update(done)
         bar.set_postfix(answers=f"{shown.answers:,}", answer_tokens=f"{shown.answer_tokens:,}")
 
-    try:
-        for source, items, _ in sources:
-            for number, group in enumerate(_chunks(items, options.shard_size)):
-                _make_shard(engine, out, manifest, options, source, number, group, batch, show)
+    complete = True
+    try:  # the sources' shards in turn, so that a run stopped early holds some of each
+        for source, number, group in _in_turn(sources, options.shard_size):
+            late = max_seconds is not None and time.perf_counter() - started > max_seconds
+            if late and finished(out, manifest, shard_name(source, number)) is None:
+                complete = False  # the time is up: this shard and the rest are left to a later run
+                break
+            _make_shard(engine, out, manifest, options, source, number, group, batch, show)
     finally:
         bar.close()
+    manifest["complete"] = complete
+    save_manifest(out, manifest)
     if "evaluation_sets_left_out" in files:
-        manifest["evaluation_overlap_dropped"] = manifest.get("evaluation_overlap_dropped", 0) + overlap["dropped"]
+        # each run reads the file from its start: the furthest run has seen every dropped one
+        manifest["evaluation_overlap_dropped"] = max(manifest.get("evaluation_overlap_dropped", 0), overlap["dropped"])
         save_manifest(out, manifest)
     return manifest
 
@@ -301,6 +317,17 @@ def _corpus_prompts(options: DistillOptions, tokenizer: Any, corpus_dir: str | P
         return chat_requests(Path(corpus_dir), domain, options.count, tokenizer, options.seed, part="train",
                              snippet_tokens=tokens)
     return heldout_prompts(Path(corpus_dir), domain, options.count, tokens, tokenizer, options.seed, part="train")
+
+
+def _in_turn(sources: list[tuple[str, Any, int]], size: int) -> Iterator[tuple[str, int, list[Item]]]:
+    """``(source, shard number, items)``: shard 0 of each source, then shard 1 of each, …"""
+    def shards(source: str, items: Any) -> Iterator[tuple[str, int, list[Item]]]:
+        for number, group in enumerate(_chunks(items, size)):
+            yield source, number, group
+
+    streams = [shards(source, items) for source, items, _ in sources]
+    for turn in itertools.zip_longest(*streams):
+        yield from (shard for shard in turn if shard is not None)
 
 
 def _chunks(items: Any, size: int) -> Iterator[list[Item]]:

@@ -76,8 +76,33 @@ def test_markdown_has_a_table_per_style(measured):
     _, out, _ = measured
     md = (out / "acceptance.md").read_text()
     assert "## text prompts" in md and "## chat prompts" in md
-    assert "| drafter@γ | code | prose | chat |" in md
+    assert "| drafter@γ | code | prose | chat | all |" in md
     assert md.count("| early-exit-1@3 |") == 4  # two tables per style
+
+
+def test_the_all_column_pools_the_domains_steps(measured):
+    results, out, _ = measured
+    md = (out / "acceptance.md").read_text()
+    own = [r for r in results["rows"] if (r["drafter"], r["gamma"], r["style"]) == ("ngram", 2, "text")]
+    tokens, steps = sum(r["decode_tokens"] for r in own), sum(r["row_steps"] for r in own)
+    alpha = sum(r["accepted"] for r in own) / sum(r["proposed"] for r in own)
+    line = next(line for line in md.splitlines() if line.startswith("| ngram@2 |"))  # the text table comes first
+    assert line.endswith(f"| {tokens / steps:.2f} ({alpha:.2f}) |")
+
+
+def test_answers_stop_at_eos_where_asked(corpus):
+    target = tiny_model("llama", seed=0)
+    tok = ChatCharTokenizer()
+    requests = acceptance.make_requests(corpus, tok, styles=["text"], prompts_per_domain=2, prompt_tokens=12)
+    common = dict(gammas=[2], batch=2, max_new_tokens=8, tokenizer=tok, warm_up=False, progress=False)
+    free = acceptance.run(target, {"ngram": "ngram"}, requests, **common)
+    assert all(r["new_tokens"] == 2 * 8 for r in free["rows"])
+    # make the first token every row draws its EOS: each answer then ends right there
+    firsts = {int(target(torch.tensor([p])).logits[0, -1].argmax()) for d in requests["text"].values() for p in d}
+    target.generation_config.eos_token_id = sorted(firsts)
+    stopped = acceptance.run(target, {"ngram": "ngram"}, requests, stop_at_eos=True, **common)
+    assert stopped["settings"]["eos"].startswith("stops each answer")
+    assert all(r["new_tokens"] == 2 and r["decode_tokens"] == 0 for r in stopped["rows"])
 
 
 def test_a_model_drafter_reports_its_forward_share(corpus):
@@ -138,3 +163,22 @@ def test_cli_end_to_end(corpus, tmp_path, capsys):
     assert saved["settings"]["target"] == str(target)
     assert len(saved["rows"]) == 3 * 2 * len(DOMAINS) * 2
     assert "| draft@2 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, stop", [
+    ([], False),  # held-out corpus continuations: every row generates --max-new-tokens
+    (["--workload", "mt-bench"], True),  # the field's benchmarks: answers end at EOS
+    (["--workload", "humaneval", "--eos", "ignore"], False),
+    (["--eos", "stop"], True),
+])
+def test_eos_follows_the_workload_unless_given(argv, stop):
+    import argparse
+
+    from flashspec.bench.workload_args import add_workload_arguments, workload_options
+
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser, counts="", eos=True)
+    assert workload_options(parser.parse_args(argv))["stop_at_eos"] is stop
+    plain = argparse.ArgumentParser()  # a benchmark without --eos passes no such option
+    add_workload_arguments(plain, counts="")
+    assert "stop_at_eos" not in workload_options(plain.parse_args([]))

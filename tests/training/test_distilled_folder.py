@@ -124,6 +124,21 @@ def test_a_stopped_run_continues_where_it_stopped(target, sharegpt, tmp_path, mo
     assert _contents(tmp_path / "stopped") == _contents(tmp_path / "whole")
 
 
+def test_a_run_out_of_time_stops_between_shards_and_the_next_continues(target, sharegpt, tmp_path, monkeypatch):
+    whole = _distill(target, tmp_path / "whole", sharegpt)
+    assert whole["complete"] is True
+    spy = GenerateSpy(monkeypatch)
+    late = _distill(target, tmp_path / "late", sharegpt, max_seconds=1e-9)  # up before the first shard
+    assert late["complete"] is False and late["shards"] == [] and spy.calls == []
+    continued = _distill(target, tmp_path / "late", sharegpt)
+    assert continued["complete"] is True and len(spy.calls) == 6
+    assert _contents(tmp_path / "late") == _contents(tmp_path / "whole")
+    spy.calls.clear()  # finished shards are not late: a finished folder stays complete
+    assert _distill(target, tmp_path / "late", sharegpt, max_seconds=1e-9)["complete"] is True and spy.calls == []
+    with pytest.raises(ValueError, match="max_seconds must be a number of seconds > 0"):
+        _distill(target, tmp_path / "late", sharegpt, max_seconds=0)
+
+
 def test_other_settings_in_the_same_folder_are_refused(target, sharegpt, tmp_path, monkeypatch):
     _distill(target, tmp_path / "out", sharegpt)
     spy = GenerateSpy(monkeypatch)  # options of the corpus alone do not shape ShareGPT data: continued
@@ -275,3 +290,12 @@ def test_conversations_that_quote_an_evaluation_set_are_left_out(target, tmp_pat
     assert sorted({s.item for s in load_distilled(tmp_path / "out")}) == [0, 1]  # two conversations, the clean ones
     assert manifest["identity"]["files"]["evaluation_sets_left_out"] == ["mt-bench"]
     assert manifest["evaluation_overlap_dropped"] == 1
+
+
+def test_sources_take_turns_shard_by_shard():
+    from flashspec.training.distill import _in_turn
+
+    order = [(source, number, group) for source, number, group in
+             _in_turn([("sharegpt", iter("abcde"), 5), ("corpus", ["x", "y"], 2)], 2)]
+    assert order == [("sharegpt", 0, ["a", "b"]), ("corpus", 0, ["x", "y"]), ("sharegpt", 1, ["c", "d"]),
+                     ("sharegpt", 2, ["e"])]
