@@ -16,7 +16,7 @@
 #   continues it], DESIGNS ["last fused"], MINUTES [8 per drafter and run], STEPS_PER_RUN [6000: one run's slice of the schedule, ended early
 #   by MINUTES], TOTAL_STEPS [30000: the schedule over every run], RESUME [0],
 #   MT_PER_CATEGORY [10: all 80 MT-bench questions, both turns], PROBLEMS [164 HumanEval problems],
-#   TEMPERATURES ["0 1"], EVAL_BATCH [16 requests decoded together: tokens per step do not depend on it],
+#   DISTILL_BATCH [64 answers decoded together], TEMPERATURES ["0 1"], EVAL_BATCH [16 requests decoded together: tokens per step do not depend on it],
 #   NEW_TOKENS [256 per answer], MAX_CONTEXT [2048 tokens before an answer], BATCH [16] and SEQ_LEN [512] of training, BASELINES
 #   [the committed general drafter and ngram: measured beside], EVAL_TOKENS [256 new tokens per benchmark request], TRAINING_BASELINE [the committed general drafter].
 set -euo pipefail
@@ -36,7 +36,7 @@ designs=(${DESIGNS:-last fused})
 
 # The data: made once, continued where a stopped run left it.
 stage data && fs distill --target "$target" --source mixed "${sharegpt[@]}" --conversations "${CONVERSATIONS:-4000}" \
-    --max-turns 4 --corpus "$corpus" --domain all --count "${CORPUS_COUNT:-512}" --batch 128 \
+    --max-turns 4 --corpus "$corpus" --domain all --count "${CORPUS_COUNT:-512}" --batch "${DISTILL_BATCH:-64}" \
     --max-new-tokens "${NEW_TOKENS:-256}" --max-context "${MAX_CONTEXT:-2048}" --no-progress \
     ${DISTILL_MINUTES:+--max-minutes "$DISTILL_MINUTES"} --out "$dest/data"
 

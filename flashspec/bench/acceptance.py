@@ -155,7 +155,7 @@ def _engine(target: Any, name: str, drafter: Any, gamma: int, tokenizer: Any, co
     if _is_model(drafter):
         drafter = ModelDrafter(drafter, target.config.vocab_size, name=name, compile=compile)
     engine = SpeculativeEngine(target, [drafter], selector="fixed", gammas=[gamma], tokenizer=tokenizer,
-                               compile=compile)
+                               compile=compile, warmup=False)  # run's own untimed call warms what it uses
     engine.drafters[0].name = name  # the engine calls self-drafters "early-exit:N": use the report's name
     return engine
 

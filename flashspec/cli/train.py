@@ -181,7 +181,7 @@ def train_drafter(args: argparse.Namespace) -> None:
     if taps == "eagle3" and args.feature_weight:
         raise ValueError("--feature-weight is for drafters on the target's last layer; leave it out with --taps.")
     check_data(args.data)
-    engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device,
+    engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device, warmup=False,
                                dtype=DTYPES[args.dtype] if args.dtype else None)
     if engine.tokenizer is None:
         raise ValueError("Training reads text: give --tokenizer (none could be loaded with the target).")

@@ -39,6 +39,10 @@ from .commit import commit_tokens
 from .request import Request
 from .workspace import FAULTS, Plan, raise_fault
 
+# Prefills of at most this many rows replay from CUDA graphs (they are launch-bound); larger ones
+# run eagerly, since every width's graph keeps its activations (SPEC.md §7, "The prefill is a graph too").
+PREFILL_GRAPH_ROWS = 8
+
 __all__ = ["decode"]
 
 
@@ -172,7 +176,7 @@ class _Run:
             return self.plan.target.prefill(self.tokens[:, :width], torch.zeros_like(self.length), real,
                                             logits_at=last, **self._features)
 
-        if graphs.enabled and self.plan.tp is None:
+        if graphs.enabled and self.plan.tp is None and self.tokens.shape[0] <= PREFILL_GRAPH_ROWS:
             widths = window_widths(capacity, 16)
             width = next(w for w in widths if w >= self.max_length)
             logits = graphs.run_widths(widths, width, ("prefill",), forward, repeatable=True)  # feeds the same prompts
