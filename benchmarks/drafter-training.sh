@@ -16,7 +16,7 @@
 #   continues it], DESIGNS ["last fused"], MINUTES [8 per drafter and run], STEPS_PER_RUN [6000: one run's slice of the schedule, ended early
 #   by MINUTES], TOTAL_STEPS [30000: the schedule over every run], RESUME [0],
 #   MT_PER_CATEGORY [10: all 80 MT-bench questions, both turns], PROBLEMS [164 HumanEval problems],
-#   DISTILL_BATCH [64 answers decoded together], TEMPERATURES ["0 1"], EVAL_BATCH [16 requests decoded together: tokens per step do not depend on it],
+#   DISTILL_BATCH [64 answers decoded together], TEMPERATURES ["0 1"], EVAL_GAMMAS ["3,5,7"], EVAL_BATCH [16 requests decoded together: tokens per step do not depend on it],
 #   NEW_TOKENS [256 per answer], MAX_CONTEXT [2048 tokens before an answer], BATCH [16] and SEQ_LEN [512] of training, BASELINES
 #   [the committed general drafter and ngram: measured beside], EVAL_TOKENS [256 new tokens per benchmark request], TRAINING_BASELINE [the committed general drafter].
 set -euo pipefail
@@ -61,7 +61,7 @@ done
 # Answers end at the target's EOS (the benchmarks' convention); tokens per step, not speed: no compile.
 drafts=(); for design in "${designs[@]}"; do drafts+=(--draft "feature:$dest/ckpt/$design"); done
 for d in ${BASELINES:-feature:$committed/general ngram}; do drafts+=(--draft "$d"); done
-eval=(--gammas 3,5,7 --styles chat --max-new-tokens "${EVAL_TOKENS:-256}" --batch "${EVAL_BATCH:-16}")
+eval=(--gammas "${EVAL_GAMMAS:-3,5,7}" --styles chat --max-new-tokens "${EVAL_TOKENS:-256}" --batch "${EVAL_BATCH:-16}")
 stage eval || exit 0
 for t in ${TEMPERATURES:-0 1}; do
   fs bench acceptance --target "$target" "${drafts[@]}" "${eval[@]}" --temperature "$t" --workload mt-bench \
