@@ -10,15 +10,23 @@
 # Usage: benchmarks/drafter-training.sh TARGET OUT
 #   writes OUT/data/ (shards, manifest.json), OUT/ckpt/{last,fused}/, OUT/acceptance-{mt-bench,humaneval}/,
 #   OUT/training.{md,json}
-# Environment (defaults in brackets): SHAREGPT [fetched], MTBENCH and HUMANEVAL [$FLASHSPEC_MTBENCH and
-#   $FLASHSPEC_HUMANEVAL, else fetched], STAGES ["data train eval": the parts to run], CORPUS [../shared/corpus], CONVERSATIONS [4000], CORPUS_COUNT [512 per
-#   domain], DISTILL_MINUTES [no limit: distilling stops between shards after this long, and the next run
-#   continues it], DESIGNS ["last fused"], MINUTES [8 per drafter and run], STEPS_PER_RUN [6000: one run's slice of the schedule, ended early
-#   by MINUTES], TOTAL_STEPS [30000: the schedule over every run], RESUME [0],
-#   MT_PER_CATEGORY [10: all 80 MT-bench questions, both turns], PROBLEMS [164 HumanEval problems],
-#   DISTILL_BATCH [64 answers decoded together], TEMPERATURES ["0 1"], EVAL_GAMMAS ["3,5,7"], EVAL_BATCH [16 requests decoded together: tokens per step do not depend on it],
-#   NEW_TOKENS [256 per answer], MAX_CONTEXT [2048 tokens before an answer], BATCH [16] and SEQ_LEN [512] of training, BASELINES
-#   [the committed general drafter and ngram: measured beside], EVAL_TOKENS [256 new tokens per benchmark request], TRAINING_BASELINE [the committed general drafter].
+# Environment (defaults in brackets):
+#   STAGES ["data train eval"]     the parts to run
+#   SHAREGPT [fetched]             the ShareGPT JSON; CORPUS [../shared/corpus]
+#   MTBENCH, HUMANEVAL             [$FLASHSPEC_MTBENCH, $FLASHSPEC_HUMANEVAL, else fetched]
+#   CONVERSATIONS [4000]           ShareGPT conversations; CORPUS_COUNT [512] corpus prompts per domain
+#   NEW_TOKENS [256]               tokens per answer; MAX_CONTEXT [2048] tokens before an answer
+#   DISTILL_BATCH [64]             answers decoded together
+#   DISTILL_MINUTES [no limit]     distilling stops between shards after this long; the next run continues it
+#   DESIGNS ["last fused"]         the drafters trained; RESUME [0]: 1 trains each further on its schedule
+#   MINUTES [8]                    per drafter and run; STEPS_PER_RUN [6000]: one run's slice, ended by MINUTES
+#   TOTAL_STEPS [30000]            the schedule over every run; BATCH [16] and SEQ_LEN [512] of training
+#   BASELINES                      [the committed general drafter and ngram]: measured beside
+#   TRAINING_BASELINE              [the committed general drafter]: tabulated beside
+#   TEMPERATURES ["0 1"], EVAL_GAMMAS ["3,5,7"], ACCEPTANCE [token; "token,block" measures both]
+#   MT_PER_CATEGORY [10: all 80 MT-bench questions, both turns], PROBLEMS [164 HumanEval problems]
+#   EVAL_TOKENS [256]              new tokens per benchmark request (answers end at EOS)
+#   EVAL_BATCH [16]                requests decoded together (tokens per step do not depend on it)
 set -euo pipefail
 [ $# -eq 2 ] || { echo "usage: $0 TARGET OUT" >&2; exit 2; }
 python=${PYTHON:-python3}
@@ -61,7 +69,8 @@ done
 # Answers end at the target's EOS (the benchmarks' convention); tokens per step, not speed: no compile.
 drafts=(); for design in "${designs[@]}"; do drafts+=(--draft "feature:$dest/ckpt/$design"); done
 for d in ${BASELINES:-feature:$committed/general ngram}; do drafts+=(--draft "$d"); done
-eval=(--gammas "${EVAL_GAMMAS:-3,5,7}" --styles chat --max-new-tokens "${EVAL_TOKENS:-256}" --batch "${EVAL_BATCH:-16}")
+eval=(--gammas "${EVAL_GAMMAS:-3,5,7}" --acceptance "${ACCEPTANCE:-token}" --styles chat
+      --max-new-tokens "${EVAL_TOKENS:-256}" --batch "${EVAL_BATCH:-16}")
 stage eval || exit 0
 for t in ${TEMPERATURES:-0 1}; do
   fs bench acceptance --target "$target" "${drafts[@]}" "${eval[@]}" --temperature "$t" --workload mt-bench \

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,8 @@ from ..data.corpus import (
 )
 from ..drafters import ModelDrafter
 from ..engine import SpeculativeEngine
+from .acceptance_report import arm_label, plot, summarize, write
 from .e2e import _is_model, _is_self_drafter, _machine, drafter_name
-from .results import pyplot, save_figure, write_results
 
 __all__ = ["STYLES", "check_options", "load_and_run", "make_requests", "plot", "run", "summarize", "workload_requests",
            "write"]
@@ -51,8 +52,13 @@ def _positive_int(name: str, value: Any) -> None:
 def check_options(
     *, drafters: list[str], gammas: list[int], styles: list[str], prompts_per_domain: int, batch: int,
     max_new_tokens: int, prompt_tokens: int = 128, snippet_tokens: int = 192, temperature: float = 0.0,
+    rules: list[str] = ("token",),
 ) -> None:
     """Raise a ValueError for anything that would fail later (before minutes of model loading)."""
+    from ..verify import ACCEPTANCES
+
+    if not rules or any(rule not in ACCEPTANCES for rule in rules) or len(set(rules)) != len(rules):
+        raise ValueError(f"acceptance rules must be distinct names from {', '.join(ACCEPTANCES)}; got {list(rules)!r}.")
     if not drafters:
         raise ValueError("Give at least one drafter (--draft).")
     if len(set(drafters)) != len(drafters):
@@ -150,12 +156,15 @@ def workload_requests(
     return out
 
 
-def _engine(target: Any, name: str, drafter: Any, gamma: int, tokenizer: Any, compile: bool) -> SpeculativeEngine:
-    """One fixed arm (drafter, γ); a loaded model is shared, a spec string is built by the engine."""
+def _engine(target: Any, name: str, drafter: Any, gamma: int, tokenizer: Any, compile: bool,
+            rule: str = "token") -> SpeculativeEngine:
+    """One fixed arm (drafter, γ) verified by ``rule``; a loaded model is shared, a spec string is
+    built by the engine."""
     if _is_model(drafter):
         drafter = ModelDrafter(drafter, target.config.vocab_size, name=name, compile=compile)
     engine = SpeculativeEngine(target, [drafter], selector="fixed", gammas=[gamma], tokenizer=tokenizer,
-                               compile=compile, warmup=False)  # run's own untimed call warms what it uses
+                               compile=compile, warmup=False,  # run's own untimed call warms what it uses
+                               acceptance=rule)
     engine.drafters[0].name = name  # the engine calls self-drafters "early-exit:N": use the report's name
     return engine
 
@@ -182,11 +191,13 @@ def run(
     warm_up: bool = True,
     progress: bool = True,
     stop_at_eos: bool = False,
+    rules: Sequence[str] = ("token",),
 ) -> dict[str, Any]:
     """Decode every style's and domain's ``requests`` (from :func:`make_requests`) with one fixed
     arm per drafter × γ; one row per (drafter, γ, domain, style). ``stop_at_eos``: each answer
     ends at the target's EOS (the field's convention on MT-bench and HumanEval); otherwise every
-    row generates exactly ``max_new_tokens``. ``drafters`` maps a name to a
+    row generates exactly ``max_new_tokens``. ``rules``: the acceptance rules measured, each a
+    row of its own (``"token"``, ``"block"``: SPEC.md §2). ``drafters`` maps a name to a
     loaded model, ``"ngram"``, a self-drafter spec (``early-exit:N``, ``feature:DIR``,
     ``shallow:DIR``) or a Drafter object. ``warm_up``: one untimed call per engine and style first
     (allocation, compilation, CUDA graphs)."""
@@ -194,12 +205,13 @@ def run(
     counts = [len(ps) for by_domain in requests.values() for ps in by_domain.values()]
     check_options(drafters=list(drafters), gammas=list(gammas), styles=styles,
                   prompts_per_domain=min(counts, default=0), batch=batch, max_new_tokens=max_new_tokens,
-                  temperature=temperature)
+                  temperature=temperature, rules=list(rules))
     results: dict[str, Any] = {
         "machine": _machine(target.device, next(target.parameters()).dtype),
         "settings": {
             "drafters": list(drafters), "gammas": list(gammas), "styles": styles, "batch": batch,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "compile": compile,
+            "acceptance": list(rules),
             "prompts_per_domain": min(counts), "warm_up": warm_up, "selector": "fixed",
             "heldout": f"last {HELDOUT_FRACTION:.0%} of each corpus file's decompressed bytes",
             "eos": ("stops each answer (at most max_new_tokens)" if stop_at_eos
@@ -212,167 +224,51 @@ def run(
     }
     groups = {style: {d: [ps[i : i + batch] for i in range(0, len(ps), batch)] for d, ps in by_domain.items()}
               for style, by_domain in requests.items()}
-    total = len(drafters) * len(gammas) * sum(len(g) for by_domain in groups.values() for g in by_domain.values())
+    total = len(drafters) * len(gammas) * len(rules) * sum(len(g) for by_domain in groups.values() for g in by_domain.values())
     bar = tqdm(total=total, desc="acceptance", unit="batch", disable=not progress)
     sample = {"do_sample": temperature > 0, "temperature": temperature or 1.0}
     eos = None if stop_at_eos else []  # None: the target's own EOS ids
-    for name, drafter in drafters.items():
-        for gamma in gammas:
-            engine = _engine(target, name, drafter, gamma, tokenizer, compile)
-            for style, by_domain in groups.items():
-                if warm_up:
-                    every = [b for bs in by_domain.values() for b in bs]
-                    longest = max(every, key=lambda b: (len(b), max(map(len, b))))
-                    engine.generate(longest, max_new_tokens=max_new_tokens, eos_token_id=[], seed=seed, **sample)
-                for domain, batches in by_domain.items():
-                    bar.set_postfix_str(f"{name}@{gamma} {style} {domain}", refresh=False)
-                    totals = dict.fromkeys(("steps", "row_steps", "proposed", "accepted", "decode_tokens",
-                                            "new_tokens"), 0)
-                    seconds, drafter_seconds = 0.0, 0.0
-                    for index, prompts in enumerate(batches):
-                        before = _drafter_seconds(engine)
-                        out = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                              seed=seed + index, **sample)
-                        after = _drafter_seconds(engine)
-                        s = out.stats
-                        for key in totals:
-                            totals[key] += getattr(s, key)
-                        seconds += s.decode_seconds
-                        if before is not None and after is not None:
-                            drafter_seconds += after - before
-                        bar.update()
-                    rows = totals["row_steps"]
-                    results["rows"].append({
-                        "drafter": name, "gamma": gamma, "domain": domain, "style": style,
-                        "prompts": sum(len(b) for b in batches), "batches": len(batches), **totals,
-                        "accepted_per_step": totals["accepted"] / rows if rows else 0.0,
-                        "tokens_per_step": totals["decode_tokens"] / rows if rows else 0.0,
-                        "acceptance_rate": totals["accepted"] / totals["proposed"] if totals["proposed"] else 0.0,
-                        "decode_seconds": seconds,
-                        "decode_tokens_per_second": totals["decode_tokens"] / seconds if seconds else None,
-                        "drafter_forward_share": (drafter_seconds / seconds
-                                                  if _drafter_seconds(engine) is not None and seconds else None),
-                    })
-            del engine
+    arms = [(name, drafter, gamma, rule) for name, drafter in drafters.items() for gamma in gammas for rule in rules]
+    for name, drafter, gamma, rule in arms:
+        # one engine per arm, kept across styles and domains
+        engine = _engine(target, name, drafter, gamma, tokenizer, compile, rule)
+        for style, by_domain in groups.items():
+            if warm_up:
+                every = [b for bs in by_domain.values() for b in bs]
+                longest = max(every, key=lambda b: (len(b), max(map(len, b))))
+                engine.generate(longest, max_new_tokens=max_new_tokens, eos_token_id=[], seed=seed, **sample)
+            for domain, batches in by_domain.items():
+                bar.set_postfix_str(f"{arm_label(name, gamma, rule)} {style} {domain}", refresh=False)
+                totals = dict.fromkeys(("steps", "row_steps", "proposed", "accepted", "decode_tokens",
+                                        "new_tokens"), 0)
+                seconds, drafter_seconds = 0.0, 0.0
+                for index, prompts in enumerate(batches):
+                    before = _drafter_seconds(engine)
+                    out = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                          seed=seed + index, **sample)
+                    after = _drafter_seconds(engine)
+                    s = out.stats
+                    for key in totals:
+                        totals[key] += getattr(s, key)
+                    seconds += s.decode_seconds
+                    if before is not None and after is not None:
+                        drafter_seconds += after - before
+                    bar.update()
+                rows = totals["row_steps"]
+                results["rows"].append({
+                    "drafter": name, "gamma": gamma, "acceptance": rule, "domain": domain, "style": style,
+                    "prompts": sum(len(b) for b in batches), "batches": len(batches), **totals,
+                    "accepted_per_step": totals["accepted"] / rows if rows else 0.0,
+                    "tokens_per_step": totals["decode_tokens"] / rows if rows else 0.0,
+                    "acceptance_rate": totals["accepted"] / totals["proposed"] if totals["proposed"] else 0.0,
+                    "decode_seconds": seconds,
+                    "decode_tokens_per_second": totals["decode_tokens"] / seconds if seconds else None,
+                    "drafter_forward_share": (drafter_seconds / seconds
+                                              if _drafter_seconds(engine) is not None and seconds else None),
+                })
+        del engine
     bar.close()
     return results
-
-
-# ----------------------------------------------------------------------------- reporting
-def _source(settings: dict[str, Any]) -> str:
-    """Where the prompts came from, in words."""
-    workload = settings.get("workload", "corpus")
-    if workload == "corpus":
-        return f"the {settings['heldout']}"
-    corpus = f", corpus prompts from the {settings['heldout']}" if workload == "mixed" else ""
-    return f"the {workload} workload (the fewest of one category; MT-bench counts both turns{corpus})"
-
-
-def _unit(settings: dict[str, Any]) -> str:
-    return "domain" if settings.get("workload", "corpus") == "corpus" else "category"
-
-
-def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    return "—" if value is None else f"{value:{spec}}{suffix}"
-
-
-def _overall(rows: list[dict[str, Any]]) -> str:
-    """Tokens per step (α) over several domains' rows: their totals pooled, step by step."""
-    steps, proposed = sum(r["row_steps"] for r in rows), sum(r["proposed"] for r in rows)
-    if not steps:
-        return "—"
-    alpha = sum(r["accepted"] for r in rows) / proposed if proposed else 0.0
-    return f"{sum(r['decode_tokens'] for r in rows) / steps:.2f} ({alpha:.2f})"
-
-
-def summarize(results: dict[str, Any]) -> str:
-    """Markdown: per style, tokens/step (α) by drafter@γ and domain; then decode tokens/s
-    (drafter forward share)."""
-    m, s = results["machine"], results["settings"]
-    rows = results["rows"]
-    lines = ["# Acceptance by drafter, γ, domain and prompt style", "",
-             (f"Machine: {m['processor']}, {m['threads']} threads, {m.get('gpu', m['device'])}; "
-              f"torch {m['torch']}, transformers {m['transformers']}; {m['dtype']}. Created {results['created']}."),
-             (f"{'Temperature ' + str(s['temperature']) if s['temperature'] else 'Greedy'}; batch {s['batch']}; "
-              f"{s['max_new_tokens']} new tokens per row; {s['prompts_per_domain']} prompts per {_unit(s)} and style "
-              f"from {_source(s)}; one fixed arm per drafter × γ; EOS {s['eos']}.")]
-    if s.get("target"):
-        lines.append(f"Target: {s['target']}; drafters: {', '.join(s['drafters'])}.")
-    lines.append("")
-    describe = {"text": "continuations of held-out corpus text",
-                "chat": "chat-formatted requests: a held-out snippet inside a user instruction, chat template applied"}
-    if s.get("workload", "corpus") != "corpus":
-        describe = {"text": "completion prompts: HumanEval's raw prompts, corpus continuations",
-                    "chat": "chat requests through the chat template; MT-bench both turns"}
-    for style in s["styles"]:
-        own = [r for r in rows if r["style"] == style]
-        domains = list(dict.fromkeys(r["domain"] for r in own))
-        arms = list(dict.fromkeys((r["drafter"], r["gamma"]) for r in own))
-        get = {(r["drafter"], r["gamma"], r["domain"]): r for r in own}
-        lines += [f"## {style} prompts ({describe.get(style, style)})", "",
-                  ("Tokens per step per row (accepted drafts + the target's token), with the acceptance rate α "
-                   "(accepted / proposed drafts) in brackets."), "",
-                  "| drafter@γ | " + " | ".join(domains) + " | all |", "|---|" + "---|" * (len(domains) + 1)]
-        for d, g in arms:
-            cells = [f"{get[(d, g, dom)]['tokens_per_step']:.2f} ({get[(d, g, dom)]['acceptance_rate']:.2f})"
-                     if (d, g, dom) in get else "—" for dom in domains]
-            lines.append(f"| {d}@{g} | " + " | ".join(cells + [_overall([r for r in own if (r["drafter"], r["gamma"])
-                                                                          == (d, g)])]) + " |")
-        lines += ["", ("Decode tokens/s (prefill excluded), with the drafter's share of decode time in brackets "
-                       "where it has forwards of its own."), "",
-                  "| drafter@γ | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
-        for d, g in arms:
-            cells = []
-            for dom in domains:
-                r = get.get((d, g, dom))
-                if r is None:
-                    cells.append("—")
-                    continue
-                share = r["drafter_forward_share"]
-                rate = _fmt(r["decode_tokens_per_second"], ".1f")
-                cells.append(rate + (f" ({share:.0%})" if share is not None else ""))
-            lines.append(f"| {d}@{g} | " + " | ".join(cells) + " |")
-        lines.append("")
-    lines.append("Raw numbers per (drafter, γ, domain, style), steps included: `acceptance.json`.")
-    return "\n".join(lines)
-
-
-def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """``acceptance.png``: tokens per step against γ, one line per drafter, one panel per
-    domain × style. Returns the files written."""
-    plt = pyplot()
-    rows = results["rows"]
-    styles = results["settings"]["styles"]
-    domains = list(dict.fromkeys(r["domain"] for r in rows))
-    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
-    fig, axes = plt.subplots(len(styles), len(domains), figsize=(4.2 * len(domains), 3.2 * len(styles)),
-                             squeeze=False, sharey=True)
-    for axes_row, style in zip(axes, styles):
-        for ax, domain in zip(axes_row, domains):
-            for name in drafters:
-                points = sorted((r["gamma"], r["tokens_per_step"]) for r in rows
-                                if r["drafter"] == name and r["domain"] == domain and r["style"] == style)
-                if points:
-                    ax.plot(*zip(*points), marker="o", label=name)
-            ax.set_title(f"{domain}, {style} prompts", fontsize=9)
-            ax.set_xlabel("γ (draft tokens per step)", fontsize=8)
-            ax.set_ylabel("tokens per step", fontsize=8)
-            ax.set_xticks(results["settings"]["gammas"])
-            if ax.lines:  # a category may have no prompts of this style (MT-bench: chat only)
-                ax.legend(fontsize=7)
-    fig.tight_layout()
-    return [save_figure(fig, Path(out_dir) / "acceptance.png", dpi=110, bbox_inches="tight")]
-
-
-def write(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """``acceptance.json``, ``acceptance.md`` and, where matplotlib is installed, ``acceptance.png``."""
-    out_dir = Path(out_dir)
-    written = write_results(out_dir / "acceptance.json", results, summarize(results))
-    try:
-        written += plot(results, out_dir)
-    except ValueError as error:  # no matplotlib: the tables are still written
-        print(f"no plot: {error}")
-    return written
 
 
 # ----------------------------------------------------------------------------- from the command line

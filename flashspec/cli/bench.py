@@ -13,7 +13,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..bench.workload_args import acceptance_styles, add_workload_arguments, workload_options
 from ..models.loading import DTYPES
 
 __all__ = ["add_parsers"]
@@ -24,11 +23,11 @@ def add_parsers(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for add in (_core_parser, _forward_parser, _bandit_parser, _select_parser, _gpu_parser, _e2e_parser,
-                _acceptance_parser, _training_parser, _tp_parser, _serve_parser):
+                _training_parser, _tp_parser, _serve_parser):
         add(bench_sub)
-    from ..bench import hostile, requests  # benchmarks whose parser and command live in their module
+    from ..bench import acceptance_args, hostile, requests  # benchmarks whose parser and command live apart
 
-    for module in (hostile, requests):
+    for module in (acceptance_args, hostile, requests):
         module.add_parser(bench_sub)
 
 
@@ -158,37 +157,6 @@ def _e2e_parser(sub: Any) -> None:
     p.add_argument("--rewrite-report", metavar="DIR", default=None,
                    help="decode nothing: recompute the tables and plots of a previous run's DIR/e2e.json")
     p.set_defaults(run=bench_e2e)
-
-
-def _acceptance_parser(sub: Any) -> None:
-    p = sub.add_parser("acceptance", help="accepted drafts and tokens per step by drafter, γ, domain and "
-                                          "prompt style (one fixed arm each)")
-    p.add_argument("--target", default=None, help="default: the demo's 1.5B target")
-    p.add_argument("--draft", action="append", default=None,
-                   help="a drafter (repeatable): a folder / hub id / .gguf model, 'ngram', 'early-exit:N', "
-                        "'feature:DIR', 'shallow:DIR' or 'store:DOMAIN'; default: the demo's 0.5B and ngram")
-    p.add_argument("--tokenizer", default=None, help="default: the target's")
-    p.add_argument("--corpus", default="../shared/corpus")
-    add_workload_arguments(p, counts="--prompts-per-domain counts per category then (MT-bench: questions).", eos=True)
-    p.add_argument("--gammas", default="2,4,8", help="comma-separated draft lengths")
-    p.add_argument("--styles", default=None,
-                   help="comma-separated: text (held-out continuations of --prompt-tokens), chat (chat-formatted "
-                        "requests around --snippet-tokens snippets); default text,chat (chat for mt-bench)")
-    p.add_argument("--prompts-per-domain", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=128, help="text prompts' length")
-    p.add_argument("--snippet-tokens", type=int, default=192, help="chat requests' corpus snippet length")
-    p.add_argument("--batch", type=int, default=4, help="prompts decoded together")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode forwards (GPU)")
-    p.add_argument("--no-warm-up", action="store_true", help="skip the untimed call per engine and style")
-    p.add_argument("--out", default="bench-results/acceptance",
-                   help="folder for acceptance.json, acceptance.md and acceptance.png")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=bench_acceptance)
 
 
 def _training_parser(sub: Any) -> None:
@@ -426,28 +394,6 @@ def bench_training(args: argparse.Namespace) -> None:
     from ..bench.training import bench_training as run
 
     print(run(args.checkpoints, args.out))
-
-
-def bench_acceptance(args: argparse.Namespace) -> None:
-    """Accepted drafts per step for every drafter × γ × domain × prompt style."""
-    from ..bench import acceptance, e2e
-
-    gammas = _gammas(args.gammas)
-    styles = _names(acceptance_styles(args))
-    options = {"batch": args.batch, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
-    drafts = args.draft or ["ngram"]  # checked with a stand-in before the demo download
-    acceptance.check_options(drafters=[e2e.drafter_name(d) for d in drafts], gammas=gammas, styles=styles,
-                             prompts_per_domain=args.prompts_per_domain, prompt_tokens=args.prompt_tokens,
-                             snippet_tokens=args.snippet_tokens, **options)
-    drafts = args.draft or [_demo_draft(), "ngram"]
-    results = acceptance.load_and_run(
-        Path(args.out), target=args.target or _demo_target(), drafts=drafts, tokenizer=args.tokenizer,
-        corpus=Path(args.corpus), device=args.device, dtype=args.dtype, styles=styles, gammas=gammas,
-        prompts_per_domain=args.prompts_per_domain, prompt_tokens=args.prompt_tokens,
-        snippet_tokens=args.snippet_tokens, seed=args.seed, compile=args.compile,
-        warm_up=not args.no_warm_up, progress=not args.no_progress, **workload_options(args), **options,
-    )
-    print(acceptance.summarize(results))
 
 
 def bench_tp(args: argparse.Namespace) -> None:

@@ -39,9 +39,7 @@ from .commit import commit_tokens
 from .request import Request
 from .workspace import FAULTS, Plan, raise_fault
 
-# Prefills of at most this many rows replay from CUDA graphs (they are launch-bound); larger ones
-# run eagerly, since every width's graph keeps its activations (SPEC.md §7, "The prefill is a graph too").
-PREFILL_GRAPH_ROWS = 8
+PREFILL_GRAPH_ROWS = 8  # larger prefills run eagerly: each width's graph keeps its activations (SPEC.md §7)
 
 __all__ = ["decode"]
 

@@ -131,6 +131,9 @@ GOOD = {"drafters": ["ngram"], "gammas": [2], "styles": ["text"], "prompts_per_d
     ({"batch": 0}, "batch"),
     ({"max_new_tokens": 0}, "max new tokens"),
     ({"temperature": -1.0}, "temperature"),
+    ({"rules": []}, "acceptance rules"),
+    ({"rules": ["token", "token"]}, "acceptance rules must be distinct"),
+    ({"rules": ["tree"]}, "acceptance rules must be distinct names from token, block"),
 ])
 def test_bad_options_are_clear_value_errors(change, message):
     acceptance.check_options(**GOOD)
@@ -143,6 +146,7 @@ def test_bad_options_are_clear_value_errors(change, message):
     (["--styles", "text,poem"], "Unknown prompt style"),
     (["--batch", "0"], "batch"),
     (["--prompts-per-domain", "0"], "prompts per domain"),
+    (["--acceptance", "token,poem"], "acceptance rules"),
 ])
 def test_cli_checks_options_before_loading(args, message, capsys):
     assert main(["bench", "acceptance", "--target", "/nonexistent", "--draft", "ngram", "--no-progress", *args]) == 2
@@ -182,3 +186,19 @@ def test_eos_follows_the_workload_unless_given(argv, stop):
     plain = argparse.ArgumentParser()  # a benchmark without --eos passes no such option
     add_workload_arguments(plain, counts="")
     assert "stop_at_eos" not in workload_options(plain.parse_args([]))
+
+
+def test_token_and_block_rules_are_measured_side_by_side(corpus, tmp_path):
+    target = tiny_model("llama", seed=0)
+    tok = ChatCharTokenizer()
+    requests = acceptance.make_requests(corpus, tok, styles=["text"], prompts_per_domain=2, prompt_tokens=12)
+    results = acceptance.run(target, {"tiny": noisy_copy(target, 0.3, seed=1)}, requests, gammas=[3], batch=2,
+                             max_new_tokens=12, temperature=0.7, tokenizer=tok, warm_up=False, progress=False,
+                             rules=("token", "block"))
+    assert results["settings"]["acceptance"] == ["token", "block"]
+    rows = {(r["acceptance"], r["domain"]): r for r in results["rows"]}
+    assert sorted(rows) == sorted((rule, d) for rule in ("token", "block") for d in DOMAINS)
+    assert all(r["new_tokens"] == 2 * 12 and r["proposed"] == 3 * r["row_steps"] for r in rows.values())
+    acceptance.write(results, tmp_path)
+    md = (tmp_path / "acceptance.md").read_text()
+    assert md.count("| tiny@3 |") == 2 and md.count("| tiny@3 block |") == 2  # both tables, each rule
