@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "flashspec"
 LAYERS = [
     ["sampling", "stats", "checks", "paths", "version"],
     ["kernels"],
-    ["verify", "models"],
+    ["verify", "draft_tree", "models"],
     ["drafters", "select"],
     ["decode"],
     ["engine"],

@@ -1,0 +1,270 @@
+"""Draft trees (flashspec/draft_tree.py, SPEC.md §2 "Tree verification"): the output law is the
+target's whatever made the tree — point masses (top-k expansions, n-gram continuations), tokens
+drawn from a drafter's law, mixtures, duplicates across drafters, ragged rows — at T ≠ 1 with
+top-k/top-p (χ², ≥ 10,000 samples); greedy takes the longest matching path; a chain is step 4's
+rule bit for bit; positions and the attention mask follow the parents; bad trees are clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from flashspec.draft_tree import DraftTree, ancestor_mask, depths, verify_tree
+from flashspec.sampling import SamplingParams, probabilities
+from flashspec.verify import verify
+
+V = 6
+SAMPLES = 20_000
+ROOT_TOKEN = 0
+SAMPLED = SamplingParams(do_sample=True, temperature=0.7, top_k=5, top_p=0.95)
+_gen = torch.Generator().manual_seed(0)
+TARGET = torch.randn(4, V, V, generator=_gen) * 1.5  # the toy target: logits after (depth, last token)
+DRAFT = TARGET + torch.randn(4, V, V, generator=_gen)  # a drafter's logits there: q ≠ p
+OTHER = torch.randn(4, V, V, generator=_gen) * 2  # a second drafter (deterministic continuations)
+
+
+def law(table: torch.Tensor, depth: torch.Tensor, last: torch.Tensor, params: SamplingParams = SAMPLED):
+    return probabilities(table[depth, last], params)
+
+
+class Builder:
+    """Grows a batch of trees node by node, each node's token chosen or drawn given its path."""
+
+    def __init__(self, batch: int, seed: int):
+        self.batch, self.gen = batch, torch.Generator().manual_seed(seed)
+        self.tokens, self.parents, self.laws, self.drawn, self.depth = [], [], [], [], []
+        self.parent_laws = []  # the drafter's law at each node's parent, whether or not it drew from it
+
+    def _context(self, parent: int):
+        if parent < 0:
+            return torch.zeros(self.batch, dtype=torch.long), torch.full((self.batch,), ROOT_TOKEN)
+        return self.depth[parent], self.tokens[parent]
+
+    def _add(self, parent: int, token: torch.Tensor, q: torch.Tensor | None) -> int:
+        d, _ = self._context(parent)
+        self.parent_laws.append(law(DRAFT, *self._context(parent)))
+        self.tokens.append(token)
+        self.parents.append(torch.full((self.batch,), parent))
+        self.laws.append(q if q is not None else torch.zeros(self.batch, V))
+        self.drawn.append(torch.full((self.batch,), q is not None))
+        self.depth.append(d + 1)
+        return len(self.tokens) - 1
+
+    def draw(self, parent: int, table: torch.Tensor = DRAFT) -> int:
+        """A child drawn from the drafter's law at the parent's path."""
+        q = law(table, *self._context(parent))
+        return self._add(parent, torch.multinomial(q, 1, generator=self.gen).squeeze(1), q)
+
+    def top(self, parent: int, rank: int, table: torch.Tensor = DRAFT) -> int:
+        """The parent's ``rank``-th most likely child under ``table``: a point mass."""
+        logits = table[self._context(parent)]
+        return self._add(parent, logits.argsort(dim=-1, descending=True)[:, rank], None)
+
+    def tree(self, present: torch.Tensor | None = None) -> tuple[DraftTree, torch.Tensor]:
+        tree = DraftTree(torch.stack(self.tokens, 1), torch.stack(self.parents, 1), torch.stack(self.laws, 1),
+                         torch.stack(self.drawn, 1), present)
+        root = TARGET[torch.zeros(self.batch, dtype=torch.long), torch.full((self.batch,), ROOT_TOKEN)]
+        after = TARGET[torch.stack(self.depth, 1), tree.tokens]  # [B, N, V]
+        return tree, torch.cat([root[:, None], after], dim=1)
+
+
+def topk_tree(b: Builder) -> None:  # EAGLE-2-like: top-2 at each of two levels
+    for first in (b.top(-1, 0), b.top(-1, 1)):
+        b.top(first, 0)
+        b.top(first, 1)
+
+
+def drawn_tree(b: Builder) -> None:  # independent draws, duplicates among siblings allowed
+    for first in (b.draw(-1), b.draw(-1), b.draw(-1)):
+        b.draw(first)
+
+
+def mixed_tree(b: Builder) -> None:  # a drawn chain, another drafter's continuation, top-k; tokens may repeat
+    a = b.draw(-1)
+    b.draw(a)
+    c = b.top(-1, 0, OTHER)
+    b.top(c, 0, OTHER)
+    d = b.top(-1, 0)  # may equal c's or a's token: tested against the residual all the same
+    b.top(d, 1)
+
+
+def chain_tree(b: Builder) -> None:  # node budget 1 per level: a chain
+    a = b.draw(-1)
+    b.draw(b.draw(a))
+
+
+def first_two(result, seed: int) -> torch.Tensor:
+    """The output's first two tokens: the step's, the second one drawn from the target's own law
+    where the step kept no draft (the next step's first token)."""
+    t1 = result.tokens[:, 0]
+    nxt = law(TARGET, torch.ones_like(t1), t1)
+    t2 = torch.multinomial(nxt, 1, generator=torch.Generator().manual_seed(seed)).squeeze(1)
+    return torch.stack([t1, torch.where(result.num_accepted >= 1, result.tokens[:, 1], t2)], dim=1)
+
+
+def exact_pairs() -> np.ndarray:
+    p0 = law(TARGET, torch.tensor(0), torch.tensor(ROOT_TOKEN)).double()
+    p1 = law(TARGET, torch.ones(V, dtype=torch.long), torch.arange(V)).double()  # [V, V]
+    joint = (p0[:, None] * p1).numpy()
+    return joint / joint.sum()
+
+
+def chi2_pvalue(pairs: torch.Tensor) -> float:
+    expected = exact_pairs().ravel() * len(pairs)
+    observed = np.bincount((pairs[:, 0] * V + pairs[:, 1]).numpy(), minlength=V * V).astype(float)
+    assert observed[expected == 0].sum() == 0  # nothing the target could not have written
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(chisquare(obs[keep], exp[keep]).pvalue)
+
+
+def run_tree(shape, seed: int, ragged: bool = False):
+    b = Builder(SAMPLES, seed)
+    shape(b)
+    present = None
+    if ragged:  # each row drops its own random set of leaves
+        n = len(b.tokens)
+        parents = torch.stack(b.parents, 1)
+        children = torch.zeros(SAMPLES, n, dtype=torch.long).scatter_add(1, parents.clamp(min=0), (parents >= 0).long())
+        is_leaf = children == 0
+        drop = torch.rand(SAMPLES, n, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
+        present = ~(is_leaf & drop)
+    tree, logits = b.tree(present)
+    uniforms = torch.rand(SAMPLES, tree.tokens.shape[1] + 1, generator=torch.Generator().manual_seed(seed + 2))
+    return tree, verify_tree(logits, tree, SAMPLED, uniforms)
+
+
+@pytest.mark.parametrize("shape", [topk_tree, drawn_tree, mixed_tree, chain_tree])
+def test_the_output_law_is_the_targets(shape):
+    tree, result = run_tree(shape, seed=11)
+    assert chi2_pvalue(first_two(result, seed=12)) > 1e-3
+    assert result.num_accepted.float().mean() > 0.3  # the trees do get drafts accepted
+
+
+def test_ragged_rows_keep_the_law():
+    tree, result = run_tree(mixed_tree, seed=21, ragged=True)
+    assert chi2_pvalue(first_two(result, seed=22)) > 1e-3
+    on_path = result.path.clamp(min=0)
+    assert bool(tree.present.gather(1, on_path)[result.path >= 0].all())  # absent nodes are never kept
+
+
+def test_top_k_siblings_tested_against_their_law_would_bias_the_output():
+    """Why point masses: top-k tokens are not draws from q; labelled as drawn from it, the test
+    min(1, p/q) on them writes a different law, and χ² sees it (the test can fail)."""
+    b = Builder(SAMPLES, 31)
+    topk_tree(b)
+    tree, logits = b.tree()
+    wrong = DraftTree(tree.tokens, tree.parents, torch.stack(b.parent_laws, 1), torch.ones_like(tree.drawn))
+    uniforms = torch.rand(SAMPLES, 7, generator=torch.Generator().manual_seed(32))
+    assert chi2_pvalue(first_two(verify_tree(logits, wrong, SAMPLED, uniforms), seed=33)) < 1e-6
+    assert chi2_pvalue(first_two(verify_tree(logits, tree, SAMPLED, uniforms), seed=33)) > 1e-3
+
+
+@pytest.mark.parametrize("drawn", [True, False])
+def test_a_chain_is_step_4_bit_for_bit(drawn):
+    gen = torch.Generator().manual_seed(41)
+    batch, k = 257, 4
+    logits = torch.randn(batch, k + 1, V, generator=gen) * 2
+    q = torch.softmax(torch.randn(batch, k, V, generator=gen), -1)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=gen).reshape(batch, k)
+    uniforms = torch.rand(batch, k + 1, generator=gen)
+    parents = torch.arange(-1, k - 1).expand(batch, k).clone()
+    tree = DraftTree(drafts, parents, q if drawn else None, torch.ones(batch, k, dtype=torch.bool) if drawn else None)
+    for params in (SAMPLED, SamplingParams()):
+        chain = verify(logits, drafts, q if drawn else None, params, uniforms, backend="reference")
+        walked = verify_tree(logits, tree, params, uniforms)
+        assert torch.equal(walked.num_accepted, chain.num_accepted)
+        assert torch.equal(walked.tokens, chain.tokens)
+
+
+def _random_tree(data, batch: int, n: int) -> torch.Tensor:
+    return torch.tensor([[data.draw(st.integers(-1, j - 1)) for j in range(n)] for _ in range(batch)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 3), n=st.integers(1, 7), vocab=st.integers(2, 5))
+def test_greedy_takes_the_longest_matching_path(data, batch, n, vocab):
+    parents = _random_tree(data, batch, n)
+    tokens = torch.tensor([[data.draw(st.integers(0, vocab - 1)) for _ in range(n)] for _ in range(batch)])
+    logits = torch.tensor([[[data.draw(st.floats(-3, 3)) for _ in range(vocab)] for _ in range(n + 1)]
+                           for _ in range(batch)])
+    result = verify_tree(logits, DraftTree(tokens, parents), SamplingParams())
+    for b in range(batch):
+        current, path = -1, []
+        while True:  # brute force: the first child in order that is the greedy token
+            best = int(logits[b, current + 1].argmax())
+            child = next((j for j in range(n) if parents[b, j] == current and tokens[b, j] == best), None)
+            if child is None:
+                break
+            path.append(child)
+            current = child
+        assert int(result.num_accepted[b]) == len(path)
+        assert result.path[b].tolist() == path + [-1] * (n - len(path))
+        assert result.tokens[b].tolist() == [int(tokens[b, j]) for j in path] + [best] + [-1] * (n - len(path))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 3), n=st.integers(1, 8))
+def test_positions_and_mask_follow_the_parents(data, batch, n):
+    parents = _random_tree(data, batch, n)
+    got_depths, mask = depths(parents), ancestor_mask(parents)
+    for b in range(batch):
+        for i in range(n):
+            chain, j = {i}, int(parents[b, i])
+            while j >= 0:
+                chain.add(j)
+                j = int(parents[b, j])
+            assert int(got_depths[b, i]) == len(chain)
+            assert {j for j in range(n) if mask[b, i, j]} == chain
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 4), n=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_sampled_results_are_paths_of_the_tree(data, batch, n, seed):
+    parents = _random_tree(data, batch, n)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (batch, n), generator=gen)
+    laws = torch.softmax(torch.randn(batch, n, V, generator=gen), -1)
+    drawn = torch.rand(batch, n, generator=gen) < 0.5
+    logits = torch.randn(batch, n + 1, V, generator=gen)
+    uniforms = torch.rand(batch, n + 1, generator=gen)
+    result = verify_tree(logits, DraftTree(tokens, parents, laws, drawn), SAMPLED, uniforms)
+    p = probabilities(logits, SAMPLED)
+    for b in range(batch):
+        kept = int(result.num_accepted[b])
+        path = result.path[b, :kept].tolist()
+        assert all(j >= 0 for j in path) and result.path[b, kept:].eq(-1).all()
+        assert [int(parents[b, j]) for j in path] == ([-1] + path[:-1] if path else [])
+        assert result.tokens[b, :kept].tolist() == [int(tokens[b, j]) for j in path]
+        new = int(result.tokens[b, kept])
+        assert p[b, (path[-1] + 1) if path else 0, new] > 0  # the new token is one the target could write
+        assert result.tokens[b, kept + 1:].eq(-1).all()
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: DraftTree(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-1, 1]])), "earlier node"),
+    (lambda: DraftTree(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-1, -3]])), "earlier node"),
+    (lambda: DraftTree(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-1]])), r"\[B, N\]"),
+    (lambda: DraftTree(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long)), "at least one"),
+    (lambda: DraftTree(torch.zeros(1, 1), torch.tensor([[-1]])), "torch.long"),
+    (lambda: DraftTree(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[-1]]), torch.ones(1, 1, V)), "together"),
+    (lambda: DraftTree(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-1, 0]]),
+                       present=torch.tensor([[False, True]])), "parent must be present"),
+])
+def test_bad_trees_are_clear_errors(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_logits_and_uniforms_of_the_wrong_shape_are_clear_errors():
+    tree = DraftTree(torch.zeros(2, 3, dtype=torch.long), torch.tensor([[-1, 0, 0]] * 2))
+    with pytest.raises(ValueError, match=r"target_logits must be \[B, N \+ 1, V\]"):
+        verify_tree(torch.zeros(2, 3, V), tree, SamplingParams())
+    with pytest.raises(ValueError, match=r"uniforms of shape \[2, 4\]"):
+        verify_tree(torch.zeros(2, 4, V), tree, SAMPLED, torch.rand(2, 3))
