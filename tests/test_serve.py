@@ -488,6 +488,20 @@ def test_serve_is_a_command():
     assert torch.__version__  # (the engine itself is exercised above)
 
 
+def test_batch_slots_default_to_eight_on_a_gpu_and_one_elsewhere(capsys):
+    """SPEC.md §12: on a CPU every slot costs about what a request does, occupied or not."""
+    from flashspec.cli import _parser, main
+    from flashspec.serve.server import default_slots
+
+    assert default_slots("cuda") == 8 and default_slots(torch.device("cuda", 0)) == 8
+    assert default_slots("cpu") == 1 and default_slots("mps") == 1
+    assert _parser().parse_args(["serve", "--target", "x"]).max_batch is None  # chosen once the device is known
+    assert _parser().parse_args(["serve", "--target", "x", "--max-batch", "4"]).max_batch == 4
+    for bad in ("0", "2000"):  # refused before any model loads
+        assert main(["serve", "--target", "/nonexistent", "--max-batch", bad]) == 2
+        assert "--max-batch must be an integer from 1 to 1024" in capsys.readouterr().err
+
+
 def test_the_server_asks_cuda_to_load_its_modules_eagerly_unless_told_otherwise(monkeypatch):
     """SPEC.md §12, "Prefill widths": with lazy loading, prefill widths the warm-up ran still
     paid on their first request on the H200."""

@@ -43,7 +43,9 @@ def add_parsers(sub: Any) -> None:
                    help="the id /v1/models reports and a request's model must give (default: the target's name)")
     p.add_argument("--model-alias", action="append", default=[],
                    help="another name a request's model may give (repeatable); any other name gets 404")
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch slots)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="requests decoded together (batch slots; default 8 on a GPU, 1 on a CPU, where every "
+                        "slot costs about what a request does, occupied or not)")
     p.add_argument("--max-length", type=int, default=None,
                    help="prompt + max_tokens of a request (default: the context window, at most 4096)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; more get 429")
@@ -81,6 +83,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     api_key = args.api_key if args.api_key is not None else os.environ.get(ENV) or None
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty: give a non-empty key, or none to serve without one.")
+    if args.max_batch is not None and not 1 <= args.max_batch <= 1024:
+        raise ValueError(f"--max-batch must be an integer from 1 to 1024; got {args.max_batch}.")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be at least 1; got {args.max_body_bytes}.")
     check_seconds("--read-timeout", args.read_timeout)
@@ -98,6 +102,7 @@ def serve(args: argparse.Namespace) -> None:
     from ..serve.server import (
         MISSING,
         build,
+        default_slots,
         freeze_heap,
         load_cuda_modules_eagerly,
         warm_http,
@@ -120,8 +125,12 @@ def serve(args: argparse.Namespace) -> None:
                                bit_exact=args.bit_exact, use_cache=not args.no_calibration_cache,
                                warmup=False)  # the server warms its own batch's shapes (build)
     print(engine.choice.explain(), flush=True)
+    slots = args.max_batch if args.max_batch is not None else default_slots(engine.target.device)
+    print(f"batch slots: {slots}" + ("" if args.max_batch is not None or slots > 1 else
+                                     " (a CPU: each slot costs about what a request does; --max-batch N batches)"),
+          flush=True)
     scheduler, app = build(engine, model_name=args.model_name or str(args.target).rstrip("/").split("/")[-1],
-                           slots=args.max_batch, max_length=args.max_length, max_queue=args.max_queue,
+                           slots=slots, max_length=args.max_length, max_queue=args.max_queue,
                            max_prefill_tokens=args.max_prefill_tokens, num_draft_tokens=gamma or 4,
                            model_aliases=tuple(args.model_alias), **options)
     server = make_server(app, scheduler, host=args.host, port=args.port, log_level="info",

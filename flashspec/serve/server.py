@@ -18,11 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..checks import check_int
 from .limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT, DEFAULT_SHUTDOWN_GRACE
 from .scheduler import admissible_warmup_lengths
 
-__all__ = ["Server", "build", "check_seconds", "default_warmup_lengths", "freeze_heap",
+__all__ = ["Server", "build", "check_seconds", "default_slots", "default_warmup_lengths", "freeze_heap",
            "load_cuda_modules_eagerly", "start_server", "warm_http"]
 
 
@@ -120,6 +122,13 @@ def _check_names(model_name: Any, model_aliases: Any) -> tuple[str, ...]:
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"A model name must be a non-empty string; got {name!r}.")
     return aliases
+
+
+def default_slots(device: Any) -> int:
+    """The server's batch slots when none are asked for: 8 on a GPU, where a decode step reads
+    the weights once for every row and an empty slot costs little; 1 elsewhere, where a step's
+    cost grows with its rows whether they hold a request or not (SPEC.md §12)."""
+    return 8 if torch.device(device).type == "cuda" else 1
 
 
 def build(engine: Any, *, model_name: str = "flashspec", slots: int = 8, max_length: int | None = None,
