@@ -20,7 +20,7 @@ import torch
 
 from .sampling import SamplingParams, probabilities, sample
 
-__all__ = ["DraftTree", "TreeVerifyResult", "ancestor_mask", "depths", "verify_tree"]
+__all__ = ["DraftTree", "TreeVerifyResult", "ancestor_mask", "depths", "tree_from_chains", "verify_tree"]
 
 ROOT = -1
 """The parent index of the root's children."""
@@ -84,6 +84,42 @@ class TreeVerifyResult:
     num_accepted: torch.Tensor
     path: torch.Tensor
     tokens: torch.Tensor
+
+
+def tree_from_chains(chains: torch.Tensor, lengths: torch.Tensor | None = None) -> DraftTree:
+    """The tree of several chosen continuations (point masses: n-gram and datastore
+    continuations, greedy drafts), one per drafter: ``chains [B, M, L]`` token ids, ``lengths
+    [B, M]`` how many of each chain's tokens are real (default: all ``L``). Chain ``i``'s token
+    ``d`` is node ``i·L + d``; where an earlier chain has the same first ``d + 1`` tokens, that
+    chain's node stands for it (one node per distinct prefix: the same token from two drafters is
+    one node) and this one is absent. Static shapes ``[B, M·L]``, tensor operations only; earlier
+    chains' branches are tested first (SPEC.md §2, "Tree verification")."""
+    if chains.dim() != 3 or chains.dtype != torch.long:
+        raise ValueError(f"chains must be a [B, M, L] tensor of token ids (torch.long); got {tuple(chains.shape)} "
+                         f"{chains.dtype}.")
+    batch, m, length = chains.shape
+    if m == 0 or length == 0:
+        raise ValueError("chains must hold at least one chain of at least one token.")
+    device = chains.device
+    depth = torch.arange(length, device=device)
+    if lengths is None:
+        real = torch.ones(batch, m, length, dtype=torch.bool, device=device)
+    else:
+        if lengths.shape != (batch, m) or bool(((lengths < 0) | (lengths > length)).any()):
+            raise ValueError(f"lengths must be [B, M] = [{batch}, {m}] with values in [0, {length}].")
+        real = depth[None, None] < lengths[..., None]
+    # same[b, i, k, d]: chains i and k agree on their first d + 1 tokens, all of them real
+    agree = (chains[:, :, None] == chains[:, None]) & real[:, :, None] & real[:, None]
+    same = agree.long().cumprod(dim=-1).bool()
+    earlier = torch.arange(m, device=device)
+    lower = earlier[None, :, None] >= earlier[None, None, :]  # k <= i
+    first = torch.where(same & lower[..., None], earlier[None, None, :, None], m).amin(dim=2)  # [B, M, L]
+    node = first * length + depth  # the node standing for chain i's prefix up to d
+    present = (first == earlier[None, :, None]) & real
+    parent_node = torch.cat([torch.full_like(node[..., :1], ROOT), node[..., :-1]], dim=-1)
+    parents = torch.where(present, parent_node, ROOT).reshape(batch, m * length)
+    present = present.reshape(batch, m * length)
+    return DraftTree(chains.reshape(batch, m * length), parents, present=present)
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from flashspec.draft_tree import DraftTree, ancestor_mask, depths, verify_tree
+from flashspec.draft_tree import DraftTree, ancestor_mask, depths, tree_from_chains, verify_tree
 from flashspec.sampling import SamplingParams, probabilities
 from flashspec.verify import verify
 
@@ -268,3 +268,71 @@ def test_logits_and_uniforms_of_the_wrong_shape_are_clear_errors():
         verify_tree(torch.zeros(2, 3, V), tree, SamplingParams())
     with pytest.raises(ValueError, match=r"uniforms of shape \[2, 4\]"):
         verify_tree(torch.zeros(2, 4, V), tree, SAMPLED, torch.rand(2, 3))
+
+
+def _chain(table: torch.Tensor, first_rank: int, length: int, batch: int) -> torch.Tensor:
+    """A drafter's chosen continuation: its ``first_rank``-th token after the root, then its greedy tokens."""
+    token = table[0, ROOT_TOKEN].argsort(descending=True)[first_rank].expand(batch)
+    out = [token]
+    for d in range(1, length):
+        out.append(table[d, out[-1]].argmax(dim=-1))
+    return torch.stack(out, dim=1)
+
+
+def test_chains_from_several_drafters_make_one_tree_with_the_targets_law():
+    length = 3
+    chains = torch.stack([_chain(DRAFT, 0, length, SAMPLES), _chain(OTHER, 0, length, SAMPLES),
+                          _chain(DRAFT, 1, length, SAMPLES), _chain(TARGET, 0, length, SAMPLES)], dim=1)
+    lengths = torch.randint(0, length + 1, (SAMPLES, 4), generator=torch.Generator().manual_seed(51))
+    tree = tree_from_chains(chains, lengths)
+    node_depth = torch.arange(length).repeat(4)[None].expand(SAMPLES, -1) + 1
+    root = TARGET[0, ROOT_TOKEN].expand(SAMPLES, 1, V)
+    logits = torch.cat([root, TARGET[node_depth, tree.tokens]], dim=1)
+    uniforms = torch.rand(SAMPLES, tree.tokens.shape[1] + 1, generator=torch.Generator().manual_seed(52))
+    result = verify_tree(logits, tree, SAMPLED, uniforms)
+    assert chi2_pvalue(first_two(result, seed=53)) > 1e-3
+    greedy = verify_tree(logits, tree, SamplingParams())
+    best = torch.zeros(SAMPLES, dtype=torch.long)  # greedy: the longest prefix of any chain the target agrees with
+    for i in range(4):
+        agree = torch.ones(SAMPLES, dtype=torch.bool)
+        context = torch.full((SAMPLES,), ROOT_TOKEN)
+        run = torch.zeros(SAMPLES, dtype=torch.long)
+        for d in range(length):
+            agree &= (chains[:, i, d] == TARGET[d, context].argmax(-1)) & (d < lengths[:, i])
+            run += agree.long()
+            context = chains[:, i, d]
+        best = torch.maximum(best, run)
+    assert torch.equal(greedy.num_accepted, best)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 3), m=st.integers(1, 4), length=st.integers(1, 4),
+       vocab=st.integers(1, 3))
+def test_a_tree_of_chains_holds_each_chain_once(data, batch, m, length, vocab):
+    chains = torch.tensor([[[data.draw(st.integers(0, vocab - 1)) for _ in range(length)] for _ in range(m)]
+                           for _ in range(batch)])
+    lengths = torch.tensor([[data.draw(st.integers(0, length)) for _ in range(m)] for _ in range(batch)])
+    tree = tree_from_chains(chains, lengths)
+    assert tree.tokens.shape == (batch, m * length)
+    for b in range(batch):
+        present = [j for j in range(m * length) if tree.present[b, j]]
+        children: dict[int, list[int]] = {}
+        for j in present:
+            children.setdefault(int(tree.parents[b, j]), []).append(int(tree.tokens[b, j]))
+        assert all(len(set(ts)) == len(ts) for ts in children.values())  # one node per token under a parent
+        prefixes = {tuple(chains[b, i, :d + 1].tolist()) for i in range(m) for d in range(int(lengths[b, i]))}
+        assert len(present) == len(prefixes)  # one node per distinct prefix
+        for i in range(m):  # every chain is a path of present nodes
+            node = -1
+            for d in range(int(lengths[b, i])):
+                node = next(j for j in present if int(tree.parents[b, j]) == node
+                            and int(tree.tokens[b, j]) == int(chains[b, i, d]))
+
+
+def test_bad_chains_are_clear_errors():
+    with pytest.raises(ValueError, match=r"\[B, M, L\]"):
+        tree_from_chains(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="at least one chain"):
+        tree_from_chains(torch.zeros(2, 0, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="lengths must be"):
+        tree_from_chains(torch.zeros(2, 1, 3, dtype=torch.long), torch.tensor([[4], [1]]))
