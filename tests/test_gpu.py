@@ -159,6 +159,19 @@ def test_graph_prefills_match_hf_generate_float32(arch):
     assert prefills == set(window_widths(capacity, 16))
 
 
+def test_prefills_of_many_rows_run_eagerly_and_still_match_hf_generate():
+    """SPEC.md §7: more than PREFILL_GRAPH_ROWS rows prefill eagerly (every width's graph would keep
+    its activations); the output is unchanged."""
+    from flashspec.decode.loop import PREFILL_GRAPH_ROWS
+
+    target = tiny("qwen2", 0)
+    engine = SpeculativeEngine(target, ["ngram"], warmup=False)
+    prompts = [[(5 * i + r) % 90 + 1 for i in range(3 + 4 * r)] for r in range(PREFILL_GRAPH_ROWS + 1)]
+    out = engine.generate(prompts, max_new_tokens=6, eos_token_id=[]).sequences
+    assert out == [hf_greedy(target, p, 6) for p in prompts]
+    assert not any(isinstance(key, tuple) and key[1:] == ("prefill",) for key in engine._graphs._graphs)
+
+
 @pytest.mark.parametrize("drafter", ["feature", "compact"])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(do_sample=True, temperature=0.7, top_p=0.9)])
 def test_compiled_steps_do_not_synchronise(drafter, params):
