@@ -10,29 +10,29 @@
 #   PARTS ["demo demo-model generate serve"]: the parts to run (the others' files are kept).
 set -euo pipefail
 python=${PYTHON:-python3}
-out=${1:?usage: $0 OUT}
+dest=${1:?usage: $0 OUT}
 port=${PORT:-8019}
 tokens=${TOKENS:-64}
-mkdir -p "$out"
+mkdir -p "$dest"
 { lscpu | grep -E "Model name|^CPU\(s\)"; grep -o -w -E "avx2|avx512f|avx512_bf16|amx_bf16" /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } \
-    > "$out/cpu.txt"
+    > "$dest/cpu.txt"
 part() { [[ " ${PARTS:-demo demo-model generate serve} " == *" $1 "* ]]; }
-if part demo; then "$python" -m flashspec demo 2>/dev/null | tee "$out/demo.txt"; fi
-if part demo-model; then "$python" -m flashspec demo --drafter model 2>/dev/null | tee "$out/demo-model.txt"; fi
+if part demo; then "$python" -m flashspec demo 2>/dev/null | tee "$dest/demo.txt"; fi
+if part demo-model; then "$python" -m flashspec demo --drafter model 2>/dev/null | tee "$dest/demo-model.txt"; fi
 read -r target feature draft < <("$python" -c "from flashspec.demo import DEMO_DRAFT, demo_pair, fetch_demo_model
 print(*demo_pair(), fetch_demo_model(DEMO_DRAFT))")
 prompt=$("$python" -c "from flashspec.demo import DEMO_PROMPT; print(DEMO_PROMPT)")
 if part generate; then
   "$python" -m flashspec generate --target "$target" --draft "$draft" --draft ngram --prompt "$prompt" --compare \
-      2>/dev/null | tee "$out/generate.txt"
+      2>/dev/null | tee "$dest/generate.txt"
 fi
 
 serve_once() {  # $1: label; the rest: serve's --draft arguments
   local label=$1; shift
-  "$python" -m flashspec serve --target "$target" "$@" --port "$port" --model-name flashspec > "$out/serve-$label.log" 2>&1 &
+  "$python" -m flashspec serve --target "$target" "$@" --port "$port" --model-name flashspec > "$dest/serve-$label.log" 2>&1 &
   local pid=$!
   until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-    kill -0 "$pid" 2> /dev/null || { echo "the server ($label) exited; see $out/serve-$label.log" >&2; exit 1; }
+    kill -0 "$pid" 2> /dev/null || { echo "the server ($label) exited; see $dest/serve-$label.log" >&2; exit 1; }
     sleep 2
   done
   PROMPT=$prompt "$python" - "$port" "$tokens" "$label" <<'PY'
@@ -54,5 +54,5 @@ part serve || exit 0
 {
   serve_once default --draft "$feature" --draft ngram
   serve_once target-alone
-  grep -h -i -E "chose|choice|dtype|drafter|slots" "$out"/serve-*.log | sed 's/^/  printed: /'
-} | tee "$out/serve.txt"
+  grep -h -i -E "chose|choice|dtype|drafter|slots" "$dest"/serve-*.log | sed 's/^/  printed: /'
+} | tee "$dest/serve.txt"
