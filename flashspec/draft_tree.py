@@ -51,6 +51,8 @@ class DraftTree:
             raise ValueError("tokens and parents must be integer (torch.long) tensors.")
         if tokens.shape[1] == 0:
             raise ValueError("A draft tree needs at least one node.")
+        if bool((tokens < 0).any()):
+            raise ValueError("Token ids must be >= 0.")
         index = torch.arange(tokens.shape[1], device=parents.device)
         if bool(((parents < ROOT) | (parents >= index)).any()):
             raise ValueError("Each node's parent must be -1 (the root) or an earlier node (nodes in topological "
@@ -62,6 +64,8 @@ class DraftTree:
                 raise ValueError(f"drawn must be a bool tensor of shape {tuple(tokens.shape)}.")
             if self.laws.dim() != 3 or self.laws.shape[:2] != tokens.shape:
                 raise ValueError(f"laws must be [B, N, V] with [B, N] = {tuple(tokens.shape)}.")
+            if bool((tokens >= self.laws.shape[2]).any()):
+                raise ValueError(f"Token ids must be below the laws' vocabulary size {self.laws.shape[2]}.")
         if self.present is not None:
             if self.present.shape != tokens.shape or self.present.dtype != torch.bool:
                 raise ValueError(f"present must be a bool tensor of shape {tuple(tokens.shape)}.")
@@ -159,6 +163,9 @@ def verify_tree(
     if target_logits.dim() != 3 or target_logits.shape[:2] != (batch, n + 1):
         raise ValueError(f"target_logits must be [B, N + 1, V] = [{batch}, {n + 1}, V]; got "
                          f"{tuple(target_logits.shape)}.")
+    if tree.laws is not None and tree.laws.shape[2] != target_logits.shape[2]:
+        raise ValueError(f"The tree's laws have {tree.laws.shape[2]} tokens and the target's logits "
+                         f"{target_logits.shape[2]}: they must share one vocabulary.")
     parents, tokens = tree.walk_parents(), tree.tokens
     device = target_logits.device
     rows = torch.arange(batch, device=device)

@@ -256,6 +256,9 @@ def test_sampled_results_are_paths_of_the_tree(data, batch, n, seed):
     (lambda: DraftTree(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[-1]]), torch.ones(1, 1, V)), "together"),
     (lambda: DraftTree(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-1, 0]]),
                        present=torch.tensor([[False, True]])), "parent must be present"),
+    (lambda: DraftTree(torch.tensor([[-1]]), torch.tensor([[-1]])), ">= 0"),
+    (lambda: DraftTree(torch.tensor([[V]]), torch.tensor([[-1]]), torch.ones(1, 1, V), torch.tensor([[True]])),
+     "below the laws' vocabulary size"),
 ])
 def test_bad_trees_are_clear_errors(build, message):
     with pytest.raises(ValueError, match=message):
@@ -268,6 +271,9 @@ def test_logits_and_uniforms_of_the_wrong_shape_are_clear_errors():
         verify_tree(torch.zeros(2, 3, V), tree, SamplingParams())
     with pytest.raises(ValueError, match=r"uniforms of shape \[2, 4\]"):
         verify_tree(torch.zeros(2, 4, V), tree, SAMPLED, torch.rand(2, 3))
+    drawn = DraftTree(tree.tokens, tree.parents, torch.full((2, 3, V + 1), 1 / (V + 1)), torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="share one vocabulary"):
+        verify_tree(torch.zeros(2, 4, V), drawn, SAMPLED, torch.rand(2, 4))
 
 
 def _chain(table: torch.Tensor, first_rank: int, length: int, batch: int) -> torch.Tensor:
