@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .workload_args import acceptance_styles, add_workload_arguments, workload_options
+from .workload_args import acceptance_styles, add_workload_arguments, comma_gammas, comma_list, workload_options
 
 __all__ = ["add_parser", "command"]
 
@@ -56,17 +56,9 @@ def command(args: argparse.Namespace) -> None:
     from .e2e import drafter_name
     from ..demo import DEMO_DRAFT, DEMO_TARGET, fetch_demo_model
 
-    def names(text: str) -> list[str]:
-        return [n.strip() for n in text.split(",") if n.strip()]
-
-    try:
-        gammas = [int(g) for g in names(args.gammas)]
-    except ValueError:
-        gammas = []
-    if not gammas or min(gammas) < 1:
-        raise ValueError(f"--gammas must be comma-separated integers >= 1; got {args.gammas!r}.")
-    styles = names(acceptance_styles(args))
-    rules = names(args.acceptance)
+    gammas = comma_gammas(args.gammas)
+    styles = comma_list(acceptance_styles(args))
+    rules = comma_list(args.acceptance)
     options = {"batch": args.batch, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     drafts = args.draft or ["ngram"]  # checked with a stand-in before the demo download
     check_options(drafters=[drafter_name(d) for d in drafts], gammas=gammas, styles=styles,

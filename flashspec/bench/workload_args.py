@@ -11,7 +11,7 @@ from typing import Any
 
 from ..data.workloads import WORKLOADS
 
-__all__ = ["acceptance_styles", "add_workload_arguments", "workload_options"]
+__all__ = ["acceptance_styles", "add_workload_arguments", "comma_gammas", "comma_list", "workload_options"]
 
 
 def add_workload_arguments(p: argparse.ArgumentParser, *, counts: str, eos: bool = False) -> None:
@@ -50,3 +50,19 @@ def acceptance_styles(args: argparse.Namespace) -> str:
     if args.workload == "mt-bench" and "text" in [s.strip() for s in styles.split(",")]:
         raise ValueError("MT-bench has chat requests only: use --styles chat.")
     return styles
+
+
+def comma_list(text: str) -> list[str]:
+    """A comma-separated list, empty entries dropped."""
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def comma_gammas(text: str) -> list[int]:
+    """``--gammas``: comma-separated integers >= 1, else a ValueError that says so."""
+    try:
+        gammas = [int(g) for g in comma_list(text)]
+    except ValueError:
+        gammas = []
+    if not gammas or min(gammas) < 1:
+        raise ValueError(f"--gammas must be comma-separated integers >= 1; got {text!r}.")
+    return gammas

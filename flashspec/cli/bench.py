@@ -13,6 +13,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..bench.workload_args import comma_gammas as _gammas
+from ..bench.workload_args import comma_list as _names
 from ..models.loading import DTYPES
 
 __all__ = ["add_parsers"]
@@ -240,11 +242,6 @@ def _demo_draft() -> str:
     return fetch_demo_model(DEMO_DRAFT)
 
 
-def _names(text: str) -> list[str]:
-    """A comma-separated list, empty entries dropped."""
-    return [n.strip() for n in text.split(",") if n.strip()]
-
-
 def _temperatures(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(t) for t in _names(text))
@@ -253,16 +250,6 @@ def _temperatures(text: str) -> tuple[float, ...]:
     if not values or any(not t >= 0 for t in values):
         raise ValueError(f"--temperatures must be numbers >= 0 (0 means greedy); got {text!r}.")
     return values
-
-
-def _gammas(text: str) -> list[int]:
-    try:
-        gammas = [int(g) for g in _names(text)]
-    except ValueError:
-        gammas = []
-    if not gammas or min(gammas) < 1:
-        raise ValueError(f"--gammas must be comma-separated integers >= 1; got {text!r}.")
-    return gammas
 
 
 def _dtypes(text: str) -> tuple[str, ...]:
