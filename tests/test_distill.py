@@ -1,5 +1,5 @@
 """Self-distilled training text (flashspec/training/distill.py): the target's answers to prompts from the
-corpus's training part only — never its held-out 5 % — written as one text file; the CLI."""
+corpus's first 90 % only — never the 5 % after it nor the held-out 5 % — written as one text file; the CLI."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from flashspec.data.corpus import DOMAINS, chat_requests, heldout_prompts
 from flashspec.cli.train import add_parsers
 from flashspec.training.distill import distill, write_distilled
 
-MARK = "QQQQQ"  # replaces "alpha" (same length: the held-out boundary stays put) in the held-out part only
+MARK = "QQQQQ"  # replaces "alpha" (same length: the cuts stay put) in the last 10 % only
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def corpus(tmp_path_factory):
     folder = write_tiny_corpus(tmp_path_factory.mktemp("corpus"), lines=1500)
     for name in DOMAINS.values():
         data = lzma.decompress((folder / name).read_bytes())
-        cut = data.index(b"\n", int(len(data) * 0.95)) + 1
+        cut = data.index(b"\n", int(len(data) * 0.90)) + 1
         held = data[cut:].replace(b"alpha", MARK.encode())
         assert MARK.encode() in held
         (folder / name).write_bytes(lzma.compress(data[:cut] + held))
@@ -43,9 +43,9 @@ def test_documents_are_training_prompts_with_the_targets_answers(corpus, target,
                    prompt_tokens=40)
     assert len(docs) == 5
     if style == "chat":
-        prompts = chat_requests(corpus, "prose", 5, tok, part="train", snippet_tokens=40)
+        prompts = chat_requests(corpus, "prose", 5, tok, part="fit", snippet_tokens=40)
     else:
-        prompts = heldout_prompts(corpus, "prose", 5, 40, tok, part="train")
+        prompts = heldout_prompts(corpus, "prose", 5, 40, tok, part="fit")
     for doc, prompt in zip(docs, prompts):
         text = tok.decode(prompt)
         assert doc.startswith(text) and len(doc) == len(text) + 8  # no EOS: every answer is 8 tokens
@@ -54,7 +54,7 @@ def test_documents_are_training_prompts_with_the_targets_answers(corpus, target,
         assert all("</u><a>" in doc for doc in docs)
 
 
-def test_no_heldout_text_is_ever_used(corpus, target):
+def test_nothing_past_the_first_90_percent_is_ever_used(corpus, target):
     tok = ChatCharTokenizer()
     for domain in DOMAINS:
         docs = distill(target, tok, corpus, domain, 12, max_new_tokens=2, batch=12, progress=False,

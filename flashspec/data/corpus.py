@@ -4,7 +4,7 @@ Each domain is one xz-compressed text file of ``shared/corpus`` (:data:`DOMAINS`
 of decompressed bytes (from the first line start after the 95 % mark, :data:`HELDOUT_FRACTION`)
 is held out: no training script reads it, and benchmark prompts come from there
 (:func:`heldout_prompts`). The 5 % just before it is training text that learners may warm up on
-(``part="train"``), and :func:`training_text` / :func:`store_drafters` index the end of the
+(``part="train"``); training data is cut from the first 90 % (``part="fit"``), and :func:`training_text` / :func:`store_drafters` index the end of the
 first 95 % for retrieval drafters. :func:`chat_requests` wraps snippets of the same text in a
 user instruction and the tokenizer's chat template (requests as a chat model receives them).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import lzma
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +61,22 @@ def _split(corpus_dir: Path, domain: str) -> tuple[bytes, int]:
 def heldout_text(corpus_dir: Path, domain: str, part: str = "heldout") -> str:
     """The last 5 % of the domain's corpus file (decompressed), cut at a line start.
     ``part="train"``: the 5 % just before it instead (inside the 95 % that training may read),
-    for warming up learners without touching the evaluation text."""
-    if part not in ("heldout", "train"):
-        raise ValueError(f"part must be 'heldout' or 'train', got {part!r}.")
+    for warming up learners without touching the evaluation text. ``part="fit"``: the first
+    90 %, the only text a drafter's training data may be cut from."""
+    if part not in ("heldout", "train", "fit"):
+        raise ValueError(f"part must be 'heldout', 'train' or 'fit', got {part!r}.")
     data, cut = _split(corpus_dir, domain)
     if part == "heldout":
         return data[cut:].decode("utf-8", errors="replace")
     begin = data.index(b"\n", int(len(data) * (1 - 2 * HELDOUT_FRACTION))) + 1
+    if part == "fit":
+        return data[:begin].decode("utf-8", errors="replace")
     return data[begin:cut].decode("utf-8", errors="replace")
+
+
+def _line_starts(text: str) -> list[int]:
+    """Where each line of ``text`` begins (not past its end)."""
+    return [0] + [m.end() for m in re.finditer("\n", text) if m.end() < len(text)]
 
 
 def training_text(corpus_dir: Path, domain: str, max_bytes: int = 4_000_000) -> str:
@@ -102,9 +111,10 @@ def heldout_prompts(
     part: str = "heldout",
 ) -> list[list[int]]:
     """``count`` prompts of ``prompt_tokens`` tokens, each starting at a random line of the
-    held-out text (fixed seed); ``part="train"`` cuts them from training text instead."""
+    held-out text (fixed seed); ``part="train"`` or ``"fit"`` cuts them from that part instead
+    (:func:`heldout_text`)."""
     text = heldout_text(corpus_dir, domain, part)
-    line_starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n" and i + 1 < len(text)]
+    line_starts = _line_starts(text)
     rng = random.Random(f"{domain}-{seed}")
     prompts = []
     while len(prompts) < count:
@@ -144,14 +154,14 @@ def chat_requests(
     snippet_tokens: int = 192,
 ) -> list[list[int]]:
     """``count`` chat-formatted requests: each a random line-start snippet of ``snippet_tokens``
-    tokens of the domain's held-out text (``part="train"``: training text, as in
+    tokens of the domain's held-out text (``part="train"`` or ``"fit"``: that part, as in
     :func:`heldout_prompts`) inside a user instruction drawn from :data:`CHAT_INSTRUCTIONS`,
     tokenized through the tokenizer's chat template with the generation prompt (fixed seed)."""
     check_int("count", count, 1)
     check_int("snippet_tokens", snippet_tokens, 1)
     text = heldout_text(corpus_dir, domain, part)
     _chat_ids(tokenizer, "")  # no chat template: say so before cutting snippets
-    line_starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n" and i + 1 < len(text)]
+    line_starts = _line_starts(text)
     candidates = line_starts[: max(1, int(len(line_starts) * 0.9))]
     rng = random.Random(f"chat-{domain}-{seed}")
     requests: list[list[int]] = []

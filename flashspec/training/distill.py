@@ -6,9 +6,9 @@ included. Two sources of prompts (:data:`SOURCES`), mixable by counts:
 * ``sharegpt``: real users' conversations (:mod:`flashspec.data.sharegpt`), every user turn
   answered by the target on top of its own earlier answers (:mod:`~flashspec.training.conversations`),
   as EAGLE-3 and SpecForge make their training data;
-* ``corpus``: prompts cut from the corpus's training part (``part="train"`` of
-  :mod:`flashspec.data.corpus`: the 5 % just before the held-out 5 %), never from the held-out
-  text the benchmarks measure on.
+* ``corpus``: prompts cut from the first 90 % of the corpus (``part="fit"`` of
+  :mod:`flashspec.data.corpus`), never from the 5 % after it nor the held-out 5 % the
+  benchmarks measure on.
 
 The target answers through :class:`~flashspec.engine.SpeculativeEngine` target-only, stopping at
 EOS. :func:`distill_folder` writes token shards with loss masks and a manifest, and continues an
@@ -73,10 +73,10 @@ def distill(
     if tokenizer is None:
         raise ValueError("Distilling reads and writes text: give a tokenizer.")
     if style == "chat":
-        prompts = chat_requests(Path(corpus_dir), domain, count, tokenizer, seed, part="train",
+        prompts = chat_requests(Path(corpus_dir), domain, count, tokenizer, seed, part="fit",
                                 snippet_tokens=prompt_tokens)
     else:
-        prompts = heldout_prompts(Path(corpus_dir), domain, count, prompt_tokens, tokenizer, seed, part="train")
+        prompts = heldout_prompts(Path(corpus_dir), domain, count, prompt_tokens, tokenizer, seed, part="fit")
     engine = SpeculativeEngine(target, [], tokenizer=tokenizer)
     docs: list[str] = []
     bar = tqdm(total=count, desc=f"distill {domain} ({style})", unit="doc", disable=not progress)
@@ -314,9 +314,9 @@ def _corpus_prompts(options: DistillOptions, tokenizer: Any, corpus_dir: str | P
 
     tokens = PROMPT_TOKENS[options.style] if options.prompt_tokens is None else options.prompt_tokens
     if options.style == "chat":
-        return chat_requests(Path(corpus_dir), domain, options.count, tokenizer, options.seed, part="train",
+        return chat_requests(Path(corpus_dir), domain, options.count, tokenizer, options.seed, part="fit",
                              snippet_tokens=tokens)
-    return heldout_prompts(Path(corpus_dir), domain, options.count, tokens, tokenizer, options.seed, part="train")
+    return heldout_prompts(Path(corpus_dir), domain, options.count, tokens, tokenizer, options.seed, part="fit")
 
 
 def _in_turn(sources: list[tuple[str, Any, int]], size: int) -> Iterator[tuple[str, int, list[Item]]]:

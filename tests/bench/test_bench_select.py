@@ -23,6 +23,7 @@ def test_training_part_is_the_text_just_before_the_heldout_part(corpus):
         whole = lzma.decompress((corpus / name).read_bytes()).decode()
         held, train = heldout_text(corpus, domain), heldout_text(corpus, domain, part="train")
         assert whole.endswith(train + held)  # adjacent, disjoint, in this order
+        assert heldout_text(corpus, domain, part="fit") + train + held == whole  # "fit": the first 90 %
         assert len(held) <= HELDOUT_FRACTION * len(whole) and len(train) <= 1.01 * HELDOUT_FRACTION * len(whole)
     with pytest.raises(ValueError, match="part must be"):
         heldout_text(corpus, "code", part="test")
