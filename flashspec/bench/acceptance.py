@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from ..drafters import ModelDrafter
 from ..engine import SpeculativeEngine
 from .acceptance_report import arm_label, plot, summarize, write
 from .e2e import _is_model, _is_self_drafter, _machine, drafter_name
+from .results import write_results
 
 __all__ = ["STYLES", "check_options", "load_and_run", "make_requests", "plot", "run", "summarize", "workload_requests",
            "write"]
@@ -192,6 +193,7 @@ def run(
     progress: bool = True,
     stop_at_eos: bool = False,
     rules: Sequence[str] = ("token",),
+    on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Decode every style's and domain's ``requests`` (from :func:`make_requests`) with one fixed
     arm per drafter × γ; one row per (drafter, γ, domain, style). ``stop_at_eos``: each answer
@@ -200,7 +202,8 @@ def run(
     row of its own (``"token"``, ``"block"``: SPEC.md §2). ``drafters`` maps a name to a
     loaded model, ``"ngram"``, a self-drafter spec (``early-exit:N``, ``feature:DIR``,
     ``shallow:DIR``) or a Drafter object. ``warm_up``: one untimed call per engine and style first
-    (allocation, compilation, CUDA graphs)."""
+    (allocation, compilation, CUDA graphs). ``on_row``: called with the results so far after each
+    row, so that a run cut short keeps what it measured."""
     styles = list(requests)
     counts = [len(ps) for by_domain in requests.values() for ps in by_domain.values()]
     check_options(drafters=list(drafters), gammas=list(gammas), styles=styles,
@@ -266,6 +269,8 @@ def run(
                     "drafter_forward_share": (drafter_seconds / seconds
                                               if _drafter_seconds(engine) is not None and seconds else None),
                 })
+                if on_row is not None:
+                    on_row(results)
         del engine
     bar.close()
     return results
@@ -324,8 +329,15 @@ def load_and_run(
     for name, built in zip(names, store_drafters(drafts, corpus, tok)):
         is_path = isinstance(built, str) and built != "ngram" and not _is_self_drafter(built)
         drafters[name] = load_model(built, device, torch_dtype) if is_path else built
-    results = run(model, drafters, requests, gammas=gammas, seed=seed, tokenizer=tok, **options)
-    results["settings"].update(target=target, prompt_tokens=prompt_tokens, snippet_tokens=snippet_tokens,
-                               workload=workload)
+    described = {"target": target, "prompt_tokens": prompt_tokens, "snippet_tokens": snippet_tokens,
+                 "workload": workload}
+
+    def so_far(results: dict[str, Any]) -> None:  # the rows measured, kept if the run is cut short
+        partial = {**results, "settings": {**results["settings"], **described}, "complete": False}
+        write_results(Path(out_dir) / "acceptance.json", partial, summarize(partial))
+
+    results = run(model, drafters, requests, gammas=gammas, seed=seed, tokenizer=tok, on_row=so_far, **options)
+    results["settings"].update(described)
+    results["complete"] = True
     write(results, out_dir)
     return results

@@ -163,7 +163,7 @@ def test_cli_end_to_end(corpus, tmp_path, capsys):
                "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     saved = json.loads((out / "acceptance.json").read_text())
-    assert saved["settings"]["drafters"] == ["draft", "ngram", "early-exit-1"]
+    assert saved["settings"]["drafters"] == ["draft", "ngram", "early-exit-1"] and saved["complete"] is True
     assert saved["settings"]["target"] == str(target)
     assert len(saved["rows"]) == 3 * 2 * len(DOMAINS) * 2
     assert "| draft@2 |" in capsys.readouterr().out
@@ -202,3 +202,29 @@ def test_token_and_block_rules_are_measured_side_by_side(corpus, tmp_path):
     acceptance.write(results, tmp_path)
     md = (tmp_path / "acceptance.md").read_text()
     assert md.count("| tiny@3 |") == 2 and md.count("| tiny@3 block |") == 2  # both tables, each rule
+
+
+def test_a_run_cut_short_keeps_the_rows_it_measured(corpus, tmp_path, monkeypatch):
+    from flashspec.engine import SpeculativeEngine
+
+    target, _ = save_tiny_chat_pair(tmp_path)
+    calls = {"n": 0}
+    generate = SpeculativeEngine.generate
+
+    def stopped_after_four(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 4:  # the fifth batch: the run is stopped, as a timeout would
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", stopped_after_four)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "acceptance", "--target", str(target), "--draft", "ngram", "--corpus", str(corpus),
+              "--gammas", "2,3", "--styles", "text", "--prompts-per-domain", "1", "--prompt-tokens", "12",
+              "--batch", "1", "--max-new-tokens", "4", "--device", "cpu", "--dtype", "float32", "--no-warm-up",
+              "--out", str(out), "--no-progress"])
+    saved = json.loads((out / "acceptance.json").read_text())
+    assert saved["complete"] is False and saved["settings"]["target"] == str(target)
+    assert [(r["gamma"], r["domain"]) for r in saved["rows"]] == [(2, d) for d in DOMAINS] + [(3, "code")]
+    assert "| ngram@2 |" in (out / "acceptance.md").read_text()
