@@ -22,14 +22,16 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["DEFAULT_SLACK", "GRACE_STEPS", "KEPT_REQUESTS", "OUTLIER", "RETRIES", "CostMemory", "Guard", "bucket",
-           "check_slack"]
+__all__ = ["DEFAULT_SLACK", "GRACE_STEPS", "KEPT_REQUESTS", "OUTLIER", "RETRIES", "YIELD_PRIOR_STEPS", "YIELD_WINDOW",
+           "CostMemory", "Guard", "bucket", "check_slack"]
 
 DEFAULT_SLACK = 0.01  # δ: a request may be up to 1 % slower than the target alone (plus the grace; SPEC.md §8)
 GRACE_STEPS = 1  # g: and one target-only step more
 RETRIES = 2  # a refused choice: ask the selector this many more times before running the target alone
 KEPT_REQUESTS = 4  # K: a cost carried over is the median of the last K requests that measured it
 OUTLIER = 4.0  # a drafting step that cost more than this many times its estimate is a stall, not a throughput
+YIELD_WINDOW = 16  # W: an arm's admitted steps count at the mean tokens per row of its last W steps ...
+YIELD_PRIOR_STEPS = 2  # k: ... drawn towards one token per row (its fewest) as if k such steps came first
 
 
 def check_slack(slack: Any) -> float | None:
@@ -108,6 +110,7 @@ class Guard:
         self.arm_steps = [0] * len(self.gammas)
         self.arm_samples: list[list[float]] = [[] for _ in self.gammas]  # per arm: its steady steps' seconds, sorted
         self.arm_medians = [0.0] * len(self.gammas)  # per arm: their median (ĉ_a once measured)
+        self.arm_yields: list[deque[float]] = [deque(maxlen=YIELD_WINDOW) for _ in self.gammas]  # tokens per row
         self.catch_ups: dict[tuple[int, int], float] = {}  # (drafter, bucket): the last catch-up's extra seconds
         self.refused_arms: set[int] = set()  # arms refused in this budget (every drafting arm when held)
 
@@ -136,6 +139,22 @@ class Guard:
             return self.arm_medians[arm]
         prior = self.priors.get(arm, 1 + self.gammas[arm] / 2)
         return prior * self._step()
+
+    def tokens_per_row(self, arm: int) -> float:
+        """ŷ_a: the tokens per active row an admitted step of ``arm`` is counted at: 1 (the fewest)
+        for the target-only arm and an arm not observed in this request, else the mean of its
+        last :data:`YIELD_WINDOW` observed steps drawn towards 1 by :data:`YIELD_PRIOR_STEPS`."""
+        yields = self.arm_yields[arm]
+        if arm == self.baseline or not yields:
+            return 1.0
+        return (sum(yields) + YIELD_PRIOR_STEPS) / (len(yields) + YIELD_PRIOR_STEPS)
+
+    def _net(self, arm: int, width: int = 0) -> float:
+        """What a step of ``arm`` adds to the budget's left side net of the target-only time its
+        counted tokens buy: ĉ_a + x̂ − (1 + δ) n̂ ŷ_a / r₀."""
+        rate = self.base_tokens / self.base_seconds  # r₀
+        return (self.cost(arm) + self.catch_up_cost(arm, width)
+                - (1 + self.slack) * self.rows * self.tokens_per_row(arm) / rate)
 
     def catch_up_cost(self, arm: int, width: int) -> float:
         """x̂: the estimated seconds a catch-up of ``width`` positions adds to a step of ``arm``:
@@ -217,24 +236,23 @@ class Guard:
         return self._choose(lambda: arm, lambda a: width, self._room() if self.base_steps else None)[0]
 
     def _room(self) -> float:
-        """What one more step may cost within the budget (needs a target-only observation):
-        (1 + δ)(N + (|P| + 1) n̂) / r₀ + g s₀ − S − Σ_{p ∈ P} (ĉ_p + x̂_p)."""
-        fewest = self.tokens + (len(self.pending) + 1) * self.rows
+        """What one more step may add net of its counted tokens (:meth:`_net`) within the budget
+        (needs a target-only observation): (1 + δ) N / r₀ + g s₀ − S − Σ_{p ∈ P} net_p."""
         rate = self.base_tokens / self.base_seconds  # r₀
-        committed = self.seconds + sum(self.cost(p) + self.catch_up_cost(p, w) for p, w in self.pending)
-        return (1 + self.slack) * fewest / rate + self.grace * self._step() - committed
+        committed = self.seconds + sum(self._net(p, w) for p, w in self.pending)
+        return (1 + self.slack) * self.tokens / rate + self.grace * self._step() - committed
 
     def _cheapest(self) -> float:
-        """The cheapest drafting arm's steady step (no catch-up): what every admitted choice costs
-        at least, compared with :meth:`_room` before the selector is asked."""
-        return min((self.cost(a) for a in range(len(self.gammas)) if a != self.baseline), default=math.inf)
+        """The cheapest drafting arm's steady step net of its counted tokens (no catch-up): what
+        every admitted choice adds at least, compared with :meth:`_room` before the selector is asked."""
+        return min((self._net(a) for a in range(len(self.gammas)) if a != self.baseline), default=math.inf)
 
     def _affordable(self, arm: int, width: int, room: float) -> bool:
         if not self.arm_steps[arm] and any(p == arm for p, _ in self.pending):
             return False  # an arm never measured runs one step at a time until it is
         if width and any(w and self.arm_drafters[p] == self.arm_drafters[arm] for p, w in self.pending):
             return False  # likewise a catch-up: one at a time per drafter
-        return self.cost(arm) + self.catch_up_cost(arm, width) <= room
+        return self._net(arm, width) <= room
 
     # ------------------------------------------------------------------ learning
     def observe(self, arm: int, tokens: int, seconds: float, rows: int, catch_up: int = 0,
@@ -266,6 +284,7 @@ class Guard:
             self.arm_medians[arm] = samples[middle] if len(samples) % 2 else (samples[middle - 1] + samples[middle]) / 2
         self.seconds += seconds
         self.tokens += tokens
+        self.arm_yields[arm].append(tokens / rows)
         if arm == self.baseline:
             self.base_seconds += seconds
             self.base_tokens += tokens
