@@ -86,10 +86,15 @@ def _call(engine: Any, group: list[dict[str, Any]], temperature: float, seed: in
         out = engine.generate([r["ids"] for r in group], max_new_tokens=new, do_sample=temperature > 0,
                               temperature=temperature or 1.0, seed=seed)
     steps = {label: per.steps for label, per in out.stats.per_arm.items() if per.steps}
+    # What the guard carries to the next request (SPEC.md §8, "What carries over"), in target steps:
+    # why a drafting arm was or was not admitted.
+    names = [engine.drafters[d].name for d in range(len(engine.drafters))]
     return {"tokens": out.stats.new_tokens, "seconds": m["seconds"],
             "tokens_per_second": out.stats.new_tokens / m["seconds"], "steps": steps,
             "cold_steps": out.stats.cold_steps, "guard_refused": out.stats.guard_refused,
-            "decode_tokens": out.stats.decode_tokens, "row_steps": out.stats.row_steps}
+            "decode_tokens": out.stats.decode_tokens, "row_steps": out.stats.row_steps,
+            "guard_step_costs": {engine.arm_label(a, 4): round(r, 3) for a, r in engine.arm_costs.items()},
+            "guard_catch_up_costs": {f"{names[d]}/{b}": round(r, 3) for (d, b), r in engine.catch_up_costs.items()}}
 
 
 def run(target: Any, drafters: list[Any], requests: list[dict[str, Any]], *, batch: int = 1, temperature: float = 0.0,

@@ -27,6 +27,11 @@ def test_the_command_runs_the_default_twice_then_every_arm_alone(tmp_path, capsy
     assert set(results["systems"]) == {"first", "warm", "draft@4", "ngram@4", "target@0"}
     assert [g["max_new_tokens"] for g in results["groups"]] == [12, 20, 12]
     assert all(len(calls) == 3 for calls in results["systems"].values())
+    # what the default's guard carried after each request: measured step costs, in target steps
+    # (here the tiny drafters never fit the budget: nothing measured is carried)
+    for call in results["systems"]["first"] + results["systems"]["warm"]:
+        assert set(call["guard_step_costs"]) <= {"draft@4", "ngram@4"}
+        assert all(r > 0 for r in [*call["guard_step_costs"].values(), *call["guard_catch_up_costs"].values()])
     report = (out / "requests.md").read_text()
     assert report.count("\n| ") == 1 + 3  # the header, then one row per request
     assert "First pass over warm: lowest" in report and "Default over the target alone" in report
