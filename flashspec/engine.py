@@ -22,12 +22,13 @@ from .checks import check_flag, check_int
 from .decode.commit import commit_step, stage_drafts
 from .decode.loop import decode
 from .decode.request import MAX_TOKENS_WITHOUT_WINDOW, Request, parse_engine_options, parse_request
+from .decode.tree_loop import decode_tree
 from .decode.warmup import warm_up
 from .decode.workspace import Plan, Workspace, workspace_shape
 from .drafters.base import Drafter, features_read
 from .drafters.feature import FeatureDrafter
 from .drafters.model import ModelDrafter
-from .drafters.shallow import ShallowDrafter
+from .drafters.shallow import ShallowDrafter, check_reuse
 from .drafters.specs import make_drafter
 from .models.cached import make_lm
 from .models.graphs import Graphs
@@ -170,7 +171,7 @@ class SpeculativeEngine:
                 d.name = f"{d.name}#{i}"
             names.add(d.name)
         if reuse_shallow:
-            self._check_reuse()
+            check_reuse(self.drafters, self._tp)
         # The layer counts after which drafters read the target's features (SPEC.md §11).
         self._feature_layers = features_read(self.drafters, getattr(self.target.config, "num_hidden_layers", None))
         gammas = options.gammas
@@ -303,19 +304,6 @@ class SpeculativeEngine:
                              "it belongs to an engine with a different set of arms.")
         self._selection = selection
 
-    # ------------------------------------------------------------------ drafters
-    def _check_reuse(self) -> None:
-        """``reuse_shallow=True`` needs a drafter whose states the verify can reuse, on one device."""
-        if not any(isinstance(d, ShallowDrafter) and d.reuse for d in self.drafters):
-            names = ", ".join(repr(d.name) for d in self.drafters) or "none"
-            raise ValueError("reuse_shallow=True lets the verify forward reuse the states of a shallow drafter "
-                             "('shallow:DIR', SPEC.md §11), the only drafter kind that hands them back, but "
-                             f"this engine has no shallow drafter (drafters: {names}).")
-        if self._tp is not None:
-            raise ValueError("reuse_shallow=True does not work with a tensor-parallel target: each rank's drafter "
-                             "fed its own drafts, which may differ from rank 0's that every rank verifies "
-                             "(SPEC.md §9, §11).")
-
     # ------------------------------------------------------------------ generate
     @torch.inference_mode()
     def generate(
@@ -368,6 +356,14 @@ class SpeculativeEngine:
         if plan.guard is not None:
             self.costs.learn(plan.guard)
         return self._output(sequences, stats)
+
+    def generate_tree(self, input_ids: Any, *, gammas: Sequence[int] | None = None, **options: Any) -> GenerationOutput:
+        """Decode with one draft tree per step made of every drafter's chain (``gammas``: one γ per
+        drafter), verified exactly in one target forward; ``options`` are :meth:`generate`'s but
+        ``progress``, ``sync_every`` and ``context``. Each drafter's ``stats.per_drafter`` counts its
+        branch's tokens on every committed path (SPEC.md §7, "Draft trees in the decode loop")."""
+        with self.session():
+            return decode_tree(self, input_ids, gammas=gammas, **options)
 
     # ------------------------------------------------------------------ continuous batching
     def batch(self, *, slots: int = 8, max_length: int | None = None, num_draft_tokens: int = 4,

@@ -23,7 +23,7 @@ from ..sampling import SamplingParams
 from .base import Draft, History, Seen, autoregress
 from .feature import FeatureDrafter, decoder_layer
 
-__all__ = ["ShallowHead", "ShallowDrafter"]
+__all__ = ["ShallowHead", "ShallowDrafter", "check_reuse"]
 
 PREFIX = "shallow:"
 
@@ -192,3 +192,17 @@ class ShallowDrafter:
         drafted, probs = autoregress(logits, step, num_tokens, params, uniforms)
         states = torch.cat(fed, dim=1) if self.reuse else None  # the pending token's, then d_1 … d_{k-1}'s
         return drafted, probs, states
+
+
+def check_reuse(drafters: list[Any], tensor_parallel: Any) -> None:
+    """``reuse_shallow=True`` needs a drafter whose states the verify can reuse, on one device
+    (``tensor_parallel``: the target's group, None on one device)."""
+    if not any(isinstance(d, ShallowDrafter) and d.reuse for d in drafters):
+        names = ", ".join(repr(d.name) for d in drafters) or "none"
+        raise ValueError("reuse_shallow=True lets the verify forward reuse the states of a shallow drafter "
+                         "('shallow:DIR', SPEC.md §11), the only drafter kind that hands them back, but "
+                         f"this engine has no shallow drafter (drafters: {names}).")
+    if tensor_parallel is not None:
+        raise ValueError("reuse_shallow=True does not work with a tensor-parallel target: each rank's drafter "
+                         "fed its own drafts, which may differ from rank 0's that every rank verifies "
+                         "(SPEC.md §9, §11).")
