@@ -172,6 +172,18 @@ def test_prefills_of_many_rows_run_eagerly_and_still_match_hf_generate():
     assert not any(isinstance(key, tuple) and key[1:] == ("prefill",) for key in engine._graphs._graphs)
 
 
+def test_tree_decoding_on_cuda_equals_generate():
+    """SPEC.md §7, "Draft trees in the decode loop", on CUDA: n-gram and a model drafter's chains in
+    one tree per step, scored by the eager tree forward over the static cache; greedy output equals
+    ``model.generate`` (float32), ragged rows included."""
+    target, other = tiny("qwen2", 0), tiny("qwen2", 1)
+    engine = SpeculativeEngine(target, ["ngram", other, target], warmup=False)
+    prompts = [[(7 * i + r) % 90 + 1 for i in range(4 + 5 * r)] for r in range(3)]
+    out = engine.generate_tree(prompts, gammas=[3, 2, 4], max_new_tokens=12, eos_token_id=[])
+    assert out.sequences == [hf_greedy(target, p, 12) for p in prompts]
+    assert out.stats.per_drafter[engine.drafters[2].name].accepted > 0  # the target as its own drafter
+
+
 @pytest.mark.parametrize("drafter", ["feature", "compact"])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(do_sample=True, temperature=0.7, top_p=0.9)])
 def test_compiled_steps_do_not_synchronise(drafter, params):
