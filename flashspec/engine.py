@@ -238,6 +238,9 @@ class SpeculativeEngine:
     # What flashspec.calibrated_engine chose (flashspec.tuning.auto.Choice), or None for an
     # engine configured by hand.
     choice: Any = None
+    # generate_tree(gammas="auto")'s flashspec.select.tree_budget.TreeBudget, made at its first call
+    # and kept so that it learns across calls; assign one to set its γ_max or options (SPEC.md §7).
+    tree_budget: Any = None
 
     @property
     def bit_exact(self) -> bool:
@@ -357,11 +360,13 @@ class SpeculativeEngine:
             self.costs.learn(plan.guard)
         return self._output(sequences, stats)
 
-    def generate_tree(self, input_ids: Any, *, gammas: Sequence[int] | None = None, **options: Any) -> GenerationOutput:
+    def generate_tree(self, input_ids: Any, *, gammas: Sequence[int] | str | None = None,
+                      **options: Any) -> GenerationOutput:
         """Decode with one draft tree per step made of every drafter's chain (``gammas``: one γ per
-        drafter), verified exactly in one target forward; ``options`` are :meth:`generate`'s but
-        ``progress``, ``sync_every`` and ``context``. Each drafter's ``stats.per_drafter`` counts its
-        branch's tokens on every committed path (SPEC.md §7, "Draft trees in the decode loop")."""
+        drafter, or ``"auto"``: chosen each step for ``context`` by :attr:`tree_budget`), verified
+        exactly in one target forward; ``options`` are :meth:`generate`'s but ``progress`` and
+        ``sync_every``. Each drafter's ``stats.per_drafter`` counts its branch's tokens on every
+        committed path (SPEC.md §7, "Draft trees in the decode loop", "Choosing the tree's node budget")."""
         with self.session():
             return decode_tree(self, input_ids, gammas=gammas, **options)
 

@@ -10,13 +10,18 @@ copied into the target's cache (:func:`~flashspec.models.tree.commit_path`) and 
 chain loop. Because every drafter drafts every step, the statistics say what each drafter's branch
 had accepted at every step, for no extra target forward.
 
+With ``gammas="auto"`` a :class:`~flashspec.select.tree_budget.TreeBudget` chooses each step's draft
+lengths from those counts (0 leaves a drafter out; all zeros is the chain loop's target-only step),
+kept on the engine as ``engine.tree_budget`` (SPEC.md §7, "Choosing the tree's node budget from full
+information").
+
 Eager PyTorch only; the loop reads the device once per step (stop flag, faults, statistics).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -25,19 +30,23 @@ from ..draft_tree import DraftTree, TreeVerifyResult, tree_from_chains, verify_t
 from ..drafters.base import Drafter, Growth, History, ReadsFeatures
 from ..models.static import StaticLM
 from ..models.tree import commit_path, tree_forward
+from ..select.tree_budget import Allocation, TreeBudget
 from ..stats import DrafterStats, GenerationOutput, GenerationStats, StepRecord
+from ..verify import VerifyResult
 from .commit import commit_step, note_fault
 from .loop import _Run
 from .request import MAX_DRAFT_TOKENS, Request
 from .workspace import Plan, raise_fault
 
-__all__ = ["check_tree_engine", "decode_tree", "sampled_tree"]
+AUTO = "auto"  # gammas="auto": the engine's TreeBudget chooses each step's draft lengths
+
+__all__ = ["AUTO", "check_tree_engine", "decode_tree", "sampled_tree", "tree_budget"]
 
 
-def check_tree_engine(engine: Any, gammas: Sequence[int] | None, num_draft_tokens: int) -> list[int]:
+def check_tree_engine(engine: Any, gammas: Sequence[int] | str | None, num_draft_tokens: int) -> list[int]:
     """What tree decoding needs of ``engine`` (drafters with their own state, a ``StaticLM`` target on
-    one device), as ``ValueError`` sentences; returns each drafter's γ: ``gammas``, else the largest γ
-    of its arms (``num_draft_tokens`` for arms without one of their own)."""
+    one device), as ``ValueError`` sentences; returns each drafter's γ: ``gammas``, else (None or
+    ``"auto"``) the largest γ of its arms (``num_draft_tokens`` for arms without one of their own)."""
     drafters: list[Drafter] = engine.drafters
     if not drafters:
         raise ValueError("generate_tree needs at least one drafter: the tree's branches are the drafters' chains.")
@@ -53,16 +62,30 @@ def check_tree_engine(engine: Any, gammas: Sequence[int] | None, num_draft_token
     if engine.bit_exact:
         raise ValueError("Tree decoding scores trees eagerly (SPEC.md §3), outside bit-exact mode: use an engine "
                          "built with bit_exact=False.")
-    if gammas is None:
+    if gammas is None or (isinstance(gammas, str) and gammas == AUTO):
         return [max(g or num_draft_tokens for a, g in engine.arms if a == d) for d in range(len(drafters))]
     if not isinstance(gammas, (list, tuple)) or len(gammas) != len(drafters):
-        raise ValueError(f"gammas must be a list of one draft length per drafter ({len(drafters)}: "
-                         f"{', '.join(d.name for d in drafters)}); got {gammas!r}.")
+        raise ValueError(f"gammas must be 'auto' (chosen each step) or a list of one draft length per drafter "
+                         f"({len(drafters)}: {', '.join(d.name for d in drafters)}); got {gammas!r}.")
     for i, g in enumerate(gammas):
         if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_DRAFT_TOKENS:
             raise ValueError(f"gammas[{i}] (drafter {drafters[i].name!r}) must be an integer from 1 to "
                              f"{MAX_DRAFT_TOKENS}; got {g!r}.")
     return list(gammas)
+
+
+def tree_budget(engine: Any, gamma_max: Sequence[int]) -> TreeBudget:
+    """The engine's :class:`TreeBudget` (``engine.tree_budget``), made with ``gamma_max`` at the first
+    ``gammas="auto"`` call and kept, so that it learns across calls."""
+    budget = getattr(engine, "tree_budget", None)
+    if budget is None:
+        budget = engine.tree_budget = TreeBudget(gamma_max)
+    if not isinstance(budget, TreeBudget) or len(budget.gamma_max) != len(engine.drafters):
+        raise ValueError(f"engine.tree_budget must be a TreeBudget with one γ_max per drafter "
+                         f"({len(engine.drafters)}), or None; got {budget!r}.")
+    if max(budget.gamma_max) > MAX_DRAFT_TOKENS:
+        raise ValueError(f"engine.tree_budget's γ_max must be at most {MAX_DRAFT_TOKENS}; got {budget.gamma_max}.")
+    return budget
 
 
 def sampled_tree(chains: list[torch.Tensor], laws: list[torch.Tensor | None]) -> DraftTree:
@@ -104,7 +127,7 @@ def decode_tree(
     engine: Any,
     input_ids: Any,
     *,
-    gammas: Sequence[int] | None = None,
+    gammas: Sequence[int] | str | None = None,
     attention_mask: Any = None,
     max_new_tokens: int = 32,
     do_sample: bool = False,
@@ -114,27 +137,34 @@ def decode_tree(
     num_draft_tokens: int = 4,
     eos_token_id: int | Sequence[int] | None = None,
     seed: int | None = None,
+    context: Hashable = None,
 ) -> GenerationOutput:
-    """Generate up to ``max_new_tokens`` per row with one draft tree per step made of every drafter's
-    chain (``gammas``: one draft length per drafter; default: the engine's), verified exactly. The
-    prompt and the other keywords are ``generate``'s. ``stats.per_drafter[name].accepted`` counts the
-    tokens of that drafter's branch on each step's committed path (greedy: exactly what its chain
-    alone would have had committed; SPEC.md §7). :meth:`SpeculativeEngine.generate_tree` calls it
-    holding the engine's lock, with the models in eval mode."""
+    """Generate up to ``max_new_tokens`` per row with one draft tree per step made of the drafters'
+    chains, verified exactly. ``gammas``: one draft length per drafter (default: the engine's), or
+    ``"auto"``: chosen before each step by ``engine.tree_budget`` for ``context`` (a hashable label;
+    None: one shared context). The prompt and the other keywords are ``generate``'s.
+    ``stats.per_drafter[name].accepted`` counts the tokens of that drafter's branch on each step's
+    committed path (greedy: exactly what its chain alone would have had committed; SPEC.md §7);
+    ``stats.per_arm`` and ``stats.step_log`` are keyed by the step's allocation (``"ngram@3+noisy@0"``;
+    ``"target@0"`` for a target-only step). :meth:`SpeculativeEngine.generate_tree` calls it holding
+    the engine's lock, with the models in eval mode."""
     request = engine.parse(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                            num_draft_tokens=num_draft_tokens, eos_token_id=eos_token_id, seed=seed,
-                           sync_every=None, context=None)
+                           sync_every=None, context=context)
+    auto = isinstance(gammas, str) and gammas == AUTO
     gammas = check_tree_engine(engine, gammas, request.num_draft_tokens)
-    label = "+".join(f"{d.name}@{g}" for d, g in zip(engine.drafters, gammas))
-    stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in engine.drafters},
-                            per_arm={label: DrafterStats()})
+    budget = tree_budget(engine, gammas) if auto else None
+    deepest = max(budget.gamma_max) if budget is not None else max(gammas)
+    stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in engine.drafters})
+    if budget is None:
+        stats.per_arm[_label(engine.drafters, tuple(gammas))] = DrafterStats()
     sequences: list[list[int]] = [[] for _ in request.rows]
     if request.max_new_tokens > 0:
         # Room past the longest row for the deepest branch (the engine adds its arms' γ + 2).
-        plan = engine.plan(rows=len(request.rows), length=request.longest + request.max_new_tokens + max(gammas),
+        plan = engine.plan(rows=len(request.rows), length=request.longest + request.max_new_tokens + deepest,
                            num_draft_tokens=request.num_draft_tokens, num_eos=len(request.eos))
-        run = _TreeRun(plan, request, stats, gammas, label)
+        run = _TreeRun(plan, request, stats, tuple(gammas), budget)
         start = time.perf_counter()
         run.prefill()
         stats.prefill_seconds = time.perf_counter() - start
@@ -155,109 +185,164 @@ def decode_tree(
     return GenerationOutput(sequences, stats, text)
 
 
+def _label(drafters: Sequence[Drafter], allocation: Allocation) -> str:
+    """``"ngram@3+noisy@0"``; ``"target@0"`` for a target-only step."""
+    if not any(allocation):
+        return "target@0"
+    return "+".join(f"{d.name}@{g}" for d, g in zip(drafters, allocation))
+
+
 class _TreeRun(_Run):
     """The chain loop's state (rows, caches, prefill, pending-token convention, seeded generator)
     with a tree step in place of its select → propose → score → verify → commit step."""
 
-    def __init__(self, plan: Plan, request: Request, stats: GenerationStats, gammas: list[int], label: str) -> None:
+    def __init__(self, plan: Plan, request: Request, stats: GenerationStats, gammas: Allocation,
+                 budget: TreeBudget | None) -> None:
         super().__init__(plan, request, stats)
-        self.gammas, self.label = gammas, label
-        self.offsets = [sum(gammas[:i]) for i in range(len(gammas))]  # drafter i's first node (sampled trees)
-        self.nodes = sum(gammas)
-        # Per step: drafting uniforms [B, N] (drafter i at its offsets), then verification [B, N + 1];
-        # for one drafter this is the chain loop's layout, drawn from the same generator.
-        self.random = torch.zeros(self.batch, 2 * self.nodes + 1, dtype=torch.float64, device=self.tokens.device)
+        self.gammas, self.budget = gammas, budget  # fixed draft lengths, or a budget choosing them
+        # Per step: drafting uniforms [B, N] (drafter i at its offset), then verification [B, N + 1];
+        # for one drafter this is the chain loop's layout, drawn from the same generator. One buffer
+        # per node count N.
+        self.random: dict[int, torch.Tensor] = {}
         # Per drafter, how far a row may have grown past what its cache holds (its catch-up window,
-        # SPEC.md §4): the committed tokens may come from another drafter's branch.
-        self.growths = [Growth() for _ in gammas]
+        # SPEC.md §4): the committed tokens may come from another drafter's branch, or from steps it
+        # was left out of.
+        self.growths = [Growth() for _ in plan.drafters]
+
+    def _allocation(self) -> Allocation:
+        """This step's draft lengths: the fixed ones, or the budget's choice (host time counted as
+        the selector's)."""
+        if self.budget is None:
+            return self.gammas
+        started = time.perf_counter()
+        allocation = self.budget.choose(self.context)
+        self.stats.selector_seconds += time.perf_counter() - started
+        return allocation
 
     def tree_step(self) -> bool:
-        """One step: every drafter proposes, one tree is scored and verified, the path committed,
-        the statistics updated; returns whether any row is still generating (the step's one read)."""
+        """One step: the drafters of the allocation propose, one tree is scored and verified (no
+        drafter: a target-only step), the path committed, the statistics and the budget updated;
+        returns whether any row is still generating (the step's one read)."""
+        allocation = self._allocation()
         started = time.perf_counter()
         ws, params, active = self.ws, self.params, self.active
-        depth = max(self.gammas)
-        self.random.uniform_(generator=self.rng)
-        chains, laws = [], []
-        for drafter, k, offset, growth in zip(self.plan.drafters, self.gammas, self.offsets, self.growths):
+        nodes, depth = sum(allocation), max(allocation)
+        if nodes not in self.random:
+            self.random[nodes] = torch.zeros(self.batch, 2 * nodes + 1, dtype=torch.float64, device=self.tokens.device)
+        random = self.random[nodes].uniform_(generator=self.rng)
+        chains, laws, offsets, ran = [], [], [], []
+        drafting = [0.0] * len(allocation)
+        for i, (drafter, k, growth) in enumerate(zip(self.plan.drafters, allocation, self.growths)):
+            if not k:
+                continue
+            began, offset = time.perf_counter(), sum(allocation[:i])
             history = History(self.tokens, self.length, active, self.max_length, None, growth)
-            draft = drafter.propose(history, k, params, self.random[:, offset : offset + k])
+            draft = drafter.propose(history, k, params, random[:, offset : offset + k])
             self._check_draft(drafter, draft, k)
             tokens = draft.tokens.long()
             outside = (tokens < 0) | (tokens >= self.vocab_size)  # noted, raised after the step, staged as 0
             note_fault(ws.fault, outside.any(dim=1) & active, 3, ws.steps_taken)
             chains.append(tokens.masked_fill(outside, 0))
             laws.append(draft.probs if params.do_sample else None)
+            offsets.append(offset)
+            ran.append(i)
+            drafting[i] = time.perf_counter() - began
         # A drafter's cache holds the committed tokens of this step only as far as they equal its own
         # chain (it fed all of it but the last token); the rest may come from another branch. So each
         # step counts twice in its Growth: the step itself, which a proposal's mark skips as in the
-        # chain loop (2 unseen tokens), then what the drafter may not have fed beyond those 2.
+        # chain loop (2 unseen tokens), then what the drafter may not have fed beyond those 2 (for a
+        # drafter left out, nothing: the step's own count already bounds what it missed).
         for growth in self.growths:
             growth.launched(depth)
-            growth.launched(depth - 2)
+            growth.launched(max(depth - 2, -1))
         self.max_length += depth + 1
 
-        tree = sampled_tree(chains, laws) if params.do_sample else greedy_tree(chains)
-        start, before = self.length - 1, self.length.clone()
-        pending = self.tokens.gather(1, start[:, None])
-        logits, scratch = tree_forward(self.plan.target, torch.cat([pending, tree.tokens], dim=1), tree.parents,
-                                       start, tree.present, check=False)
-        result = verify_tree(logits, tree, params, self.random[:, self.nodes :])
-        commit_path(self.plan.target, scratch, result.path, result.num_accepted, start)
+        before = self.length.clone()
+        if nodes:
+            tree = sampled_tree(chains, laws) if params.do_sample else greedy_tree(chains)
+            start = self.length - 1
+            pending = self.tokens.gather(1, start[:, None])
+            logits, scratch = tree_forward(self.plan.target, torch.cat([pending, tree.tokens], dim=1), tree.parents,
+                                           start, tree.present, check=False)
+            result = verify_tree(logits, tree, params, random[:, nodes:])
+            commit_path(self.plan.target, scratch, result.path, result.num_accepted, start)
+        else:  # the chain loop's target-only step: one forward over the pending token
+            logits = self._score(0)
+            result = self._verify(logits, ws.draft_tokens[:, :0], None, random[:, :1])
         rows = active.sum()
         commit_step(ws.tokens, ws.length, ws.active, ws.generated, ws.max_new_tokens, ws.eos, result.tokens,
                     result.num_accepted, ws.log, ws.steps_taken, logits, ws.fault)
         taken = self.length - before  # tokens committed to each row (0: it was not active)
         kept = torch.minimum(result.num_accepted, taken)  # drafts committed
-        counts, unseen = self._branch_counts(chains, result, taken)
+        lengths, unseen = self._branch_counts(chains, offsets, result, taken)
         flags = torch.stack([self.active.any().long(), rows, taken.sum(), kept.sum()])
-        values = torch.cat([ws.fault, flags, counts, unseen]).tolist()  # the step's one read
+        parts = [ws.fault, flags, lengths.clamp(min=0).sum(dim=1), unseen]
+        if self.budget is not None:
+            parts += [lengths.flatten(), taken]
+        values = torch.cat(parts).tolist()  # the step's one read
         raise_fault(values[:3])
         running, rows_read, committed, accepted = values[3:7]
-        drafters = len(self.gammas)
-        for growth, missed in zip(self.growths, values[7 + drafters :]):
+        counts, missed = values[7 : 7 + len(ran)], dict(zip(ran, values[7 + len(ran) : 7 + 2 * len(ran)]))
+        for i, growth in enumerate(self.growths):
             growth.polled(committed)
-            growth.polled(max(missed - 2, 0))
-        self._update(rows_read, committed, accepted, values[7 : 7 + drafters], time.perf_counter() - started)
+            growth.polled(max(missed.get(i, 0) - 2, 0))
+        seconds = time.perf_counter() - started
+        self._update(allocation, rows_read, committed, accepted, dict(zip(ran, counts)), seconds)
+        if self.budget is not None and rows_read:
+            rest = values[7 + 2 * len(ran) :]
+            per_row = dict(zip(ran, (rest[j * self.batch : (j + 1) * self.batch] for j in range(len(ran)))))
+            unrun = [-1] * self.batch
+            began = time.perf_counter()
+            self.budget.observe(allocation, [per_row.get(i, unrun) for i in range(len(allocation))],
+                                rest[len(ran) * self.batch :], seconds, drafting, self.context)
+            self.stats.selector_seconds += time.perf_counter() - began
         return bool(running)
 
-    def _branch_counts(self, chains: list[torch.Tensor], result: TreeVerifyResult, taken: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per drafter: the tokens of its branch on the committed paths, summed over rows, and the most
-        committed tokens of a row that its cache lacks. Greedy counts the longest prefix of its chain
-        equal to the committed tokens: what its chain alone would have had committed (equal chains are
-        one branch, so each drafter counts its own prefix); sampling counts its branch's kept nodes
-        that were committed. Its cache holds that prefix (as far as it fed it: all but the last draft)."""
-        counts, unseen = [], []
-        slot = torch.arange(result.path.shape[1], device=taken.device)
-        for chain, offset in zip(chains, self.offsets):
+    def _branch_counts(self, chains: list[torch.Tensor], offsets: list[int], result: TreeVerifyResult | VerifyResult,
+                       taken: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per drafter that ran: per row, its branch's tokens on the committed path (``[M, B]``; −1
+        where its branch was never tested), and the most committed tokens of a row that its cache
+        lacks. Greedy counts the longest prefix of its chain equal to the committed tokens: what its
+        chain alone would have had committed (equal chains are one branch, so each drafter counts its
+        own prefix); sampling counts its branch's kept nodes that were committed, in the rows where
+        its first node was tested (no earlier branch kept: the walk tests the root's children in
+        order). Its cache holds that prefix (as far as it fed it: all but the last draft)."""
+        device = taken.device
+        if not chains:
+            return torch.zeros(0, taken.shape[0], dtype=torch.long, device=device), taken.new_zeros(0)
+        lengths, unseen = [], []
+        for chain, offset in zip(chains, offsets):
             k = chain.shape[1]
-            column = torch.arange(k, device=chain.device)
+            column = torch.arange(k, device=device)
             match = (chain == result.tokens[:, :k]) & (column < taken[:, None])
             prefix = match.long().cumprod(dim=1).sum(dim=1)
             unseen.append((taken - prefix.clamp(max=k - 1)).max())
             if self.params.do_sample:
+                slot = torch.arange(result.path.shape[1], device=device)
                 mine = (result.path >= offset) & (result.path < offset + k) & (slot < taken[:, None])
-                counts.append(mine.sum())
+                tested = (result.num_accepted == 0) | (result.path[:, 0] >= offset)
+                lengths.append(torch.where(tested, mine.sum(dim=1), -1))
             else:
-                counts.append(prefix.sum())
-        return torch.stack(counts), torch.stack(unseen)
+                lengths.append(prefix)
+        return torch.stack(lengths), torch.stack(unseen)
 
-    def _update(self, rows: int, committed: int, accepted: int, per_drafter: list[int], seconds: float) -> None:
+    def _update(self, allocation: Allocation, rows: int, committed: int, accepted: int,
+                per_drafter: dict[int, int], seconds: float) -> None:
         """The step into the statistics (a step after every row finished is not counted)."""
         if rows == 0:
             return
-        stats = self.stats
-        stats.step_log.append(StepRecord(self.label, accepted, rows, committed, seconds))
+        stats, nodes = self.stats, sum(allocation)
+        label = _label(self.plan.drafters, allocation)
+        stats.step_log.append(StepRecord(label if nodes else None, accepted, rows, committed, seconds))
         stats.steps += 1
         stats.row_steps += rows
         stats.decode_tokens += committed
-        stats.proposed += self.nodes * rows
+        stats.proposed += nodes * rows
         stats.accepted += accepted
-        arm = stats.per_arm[self.label]
-        arm.steps, arm.proposed, arm.accepted = arm.steps + 1, arm.proposed + self.nodes * rows, arm.accepted + accepted
-        for drafter, k, count in zip(self.plan.drafters, self.gammas, per_drafter):
-            per = stats.per_drafter[drafter.name]
+        arm = stats.per_arm.setdefault(label, DrafterStats())
+        arm.steps, arm.proposed, arm.accepted = arm.steps + 1, arm.proposed + nodes * rows, arm.accepted + accepted
+        for i, count in per_drafter.items():
+            per = stats.per_drafter[self.plan.drafters[i].name]
             per.steps += 1
-            per.proposed += k * rows
+            per.proposed += allocation[i] * rows
             per.accepted += count
