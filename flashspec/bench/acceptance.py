@@ -17,6 +17,7 @@ three, and reports by category (MT-bench category, ``humaneval``, corpus domain)
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,8 @@ from ..engine import SpeculativeEngine
 from .acceptance_report import arm_label, plot, summarize, write
 from .e2e import _is_model, _is_self_drafter, _machine, drafter_name
 from .results import write_results
+
+TREE = "tree"  # the drafter name of the arms that run every drafter's chain in one draft tree
 
 __all__ = ["STYLES", "check_options", "load_and_run", "make_requests", "plot", "run", "summarize", "workload_requests",
            "write"]
@@ -170,11 +173,22 @@ def _engine(target: Any, name: str, drafter: Any, gamma: int, tokenizer: Any, co
     return engine
 
 
+def _tree_engine(target: Any, drafters: dict[str, Any], tokenizer: Any, compile: bool) -> SpeculativeEngine:
+    """Every drafter in one engine, for draft trees of all their chains (SPEC.md §7)."""
+    built = [ModelDrafter(d, target.config.vocab_size, name=n, compile=compile) if _is_model(d) else d
+             for n, d in drafters.items()]
+    engine = SpeculativeEngine(target, built, selector="fixed", tokenizer=tokenizer, compile=compile, warmup=False)
+    for d, name in zip(engine.drafters, drafters):
+        d.name = name
+    return engine
+
+
 def _drafter_seconds(engine: SpeculativeEngine) -> float | None:
     """Host seconds inside the drafter's own forwards so far; None where it has none of its own
     (n-gram lookup, early exit: its layers are the target's and count there)."""
-    value = getattr(engine.drafters[0], "forward_seconds", None)
-    return float(value) if isinstance(value, (int, float)) else None
+    values = [getattr(d, "forward_seconds", None) for d in engine.drafters]  # a tree engine: all of them
+    values = [float(v) for v in values if isinstance(v, (int, float))]
+    return sum(values) if values else None
 
 
 def run(
@@ -194,6 +208,7 @@ def run(
     stop_at_eos: bool = False,
     rules: Sequence[str] = ("token",),
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    tree: bool = False,
 ) -> dict[str, Any]:
     """Decode every style's and domain's ``requests`` (from :func:`make_requests`) with one fixed
     arm per drafter × γ; one row per (drafter, γ, domain, style). ``stop_at_eos``: each answer
@@ -203,7 +218,9 @@ def run(
     loaded model, ``"ngram"``, a self-drafter spec (``early-exit:N``, ``feature:DIR``,
     ``shallow:DIR``) or a Drafter object. ``warm_up``: one untimed call per engine and style first
     (allocation, compilation, CUDA graphs). ``on_row``: called with the results so far after each
-    row, so that a run cut short keeps what it measured."""
+    row, so that a run cut short keeps what it measured. ``tree``: also one arm per γ that puts every
+    drafter's chain of γ tokens into one draft tree per step (``SpeculativeEngine.generate_tree``,
+    SPEC.md §7), labelled ``tree@γ`` (token-wise rule only)."""
     styles = list(requests)
     counts = [len(ps) for by_domain in requests.values() for ps in by_domain.values()]
     check_options(drafters=list(drafters), gammas=list(gammas), styles=styles,
@@ -214,7 +231,7 @@ def run(
         "settings": {
             "drafters": list(drafters), "gammas": list(gammas), "styles": styles, "batch": batch,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "compile": compile,
-            "acceptance": list(rules),
+            "acceptance": list(rules), "tree": tree,
             "prompts_per_domain": min(counts), "warm_up": warm_up, "selector": "fixed",
             "heldout": f"last {HELDOUT_FRACTION:.0%} of each corpus file's decompressed bytes",
             "eos": ("stops each answer (at most max_new_tokens)" if stop_at_eos
@@ -227,19 +244,26 @@ def run(
     }
     groups = {style: {d: [ps[i : i + batch] for i in range(0, len(ps), batch)] for d, ps in by_domain.items()}
               for style, by_domain in requests.items()}
-    total = len(drafters) * len(gammas) * len(rules) * sum(len(g) for by_domain in groups.values() for g in by_domain.values())
+    arms = [(name, drafter, gamma, rule) for name, drafter in drafters.items() for gamma in gammas for rule in rules]
+    if tree:
+        arms += [(TREE, None, gamma, "token") for gamma in gammas]
+    total = len(arms) * sum(len(g) for by_domain in groups.values() for g in by_domain.values())
     bar = tqdm(total=total, desc="acceptance", unit="batch", disable=not progress)
     sample = {"do_sample": temperature > 0, "temperature": temperature or 1.0}
     eos = None if stop_at_eos else []  # None: the target's own EOS ids
-    arms = [(name, drafter, gamma, rule) for name, drafter in drafters.items() for gamma in gammas for rule in rules]
     for name, drafter, gamma, rule in arms:
         # one engine per arm, kept across styles and domains
-        engine = _engine(target, name, drafter, gamma, tokenizer, compile, rule)
+        if name == TREE:
+            engine = _tree_engine(target, drafters, tokenizer, compile)
+            generate = functools.partial(engine.generate_tree, gammas=[gamma] * len(drafters))
+        else:
+            engine = _engine(target, name, drafter, gamma, tokenizer, compile, rule)
+            generate = engine.generate
         for style, by_domain in groups.items():
             if warm_up:
                 every = [b for bs in by_domain.values() for b in bs]
                 longest = max(every, key=lambda b: (len(b), max(map(len, b))))
-                engine.generate(longest, max_new_tokens=max_new_tokens, eos_token_id=[], seed=seed, **sample)
+                generate(longest, max_new_tokens=max_new_tokens, eos_token_id=[], seed=seed, **sample)
             for domain, batches in by_domain.items():
                 bar.set_postfix_str(f"{arm_label(name, gamma, rule)} {style} {domain}", refresh=False)
                 totals = dict.fromkeys(("steps", "row_steps", "proposed", "accepted", "decode_tokens",
@@ -247,7 +271,7 @@ def run(
                 seconds, drafter_seconds = 0.0, 0.0
                 for index, prompts in enumerate(batches):
                     before = _drafter_seconds(engine)
-                    out = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                    out = generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                           seed=seed + index, **sample)
                     after = _drafter_seconds(engine)
                     s = out.stats

@@ -30,6 +30,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--acceptance", default="token",
                    help="comma-separated acceptance rules, each measured beside the others: token (each draft "
                         "tested alone), block (the drafted block verified jointly, SPEC.md §2)")
+    p.add_argument("--tree", action="store_true",
+                   help="also, per γ, every drafter's chain in one draft tree per step (generate_tree, SPEC.md §7)")
     p.add_argument("--styles", default=None,
                    help="comma-separated: text (held-out continuations of --prompt-tokens), chat (chat-formatted "
                         "requests around --snippet-tokens snippets); default text,chat (chat for mt-bench)")
@@ -69,7 +71,7 @@ def command(args: argparse.Namespace) -> None:
         Path(args.out), target=args.target or fetch_demo_model(DEMO_TARGET), drafts=drafts, tokenizer=args.tokenizer,
         corpus=Path(args.corpus), device=args.device, dtype=args.dtype, styles=styles, gammas=gammas,
         prompts_per_domain=args.prompts_per_domain, prompt_tokens=args.prompt_tokens,
-        snippet_tokens=args.snippet_tokens, seed=args.seed, compile=args.compile, rules=rules,
+        snippet_tokens=args.snippet_tokens, seed=args.seed, compile=args.compile, rules=rules, tree=args.tree,
         warm_up=not args.no_warm_up, progress=not args.no_progress, **workload_options(args), **options,
     )
     print(summarize(results))

@@ -228,3 +228,20 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(corpus, tmp_path, monkeypatc
     assert saved["complete"] is False and saved["settings"]["target"] == str(target)
     assert [(r["gamma"], r["domain"]) for r in saved["rows"]] == [(2, d) for d in DOMAINS] + [(3, "code")]
     assert "| ngram@2 |" in (out / "acceptance.md").read_text()
+
+
+def test_a_tree_of_every_drafters_chain_is_measured_beside_them(corpus, tmp_path):
+    target = tiny_model("llama", seed=0)
+    tok = ChatCharTokenizer()
+    requests = acceptance.make_requests(corpus, tok, styles=["text"], prompts_per_domain=2, prompt_tokens=12)
+    drafters = {"ngram": "ngram", "self": target, "noisy": noisy_copy(target, 0.3, seed=1)}
+    results = acceptance.run(target, drafters, requests, gammas=[2], batch=2, max_new_tokens=10, tokenizer=tok,
+                             warm_up=False, progress=False, tree=True)
+    rows = {(r["drafter"], r["domain"]): r for r in results["rows"]}
+    for domain in DOMAINS:  # the target drafting for itself keeps both drafts: a tree holding it does too
+        assert rows[("self", domain)]["tokens_per_step"] == pytest.approx(3.0, abs=0.3)
+        tree = rows[("tree", domain)]
+        assert tree["tokens_per_step"] >= rows[("self", domain)]["tokens_per_step"] - 1e-9
+        assert tree["proposed"] == 3 * 2 * tree["row_steps"]  # every drafter's 2 nodes, every step
+    acceptance.write(results, tmp_path)
+    assert "| tree@2 |" in (tmp_path / "acceptance.md").read_text()
