@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import tempfile
 
 import numpy as np
 import pytest
@@ -20,7 +21,9 @@ from tiny_models import ARCHITECTURES, noisy_copy, tiny_model
 
 import flashspec
 from flashspec.decode import tree_loop
+from flashspec import FeatureDrafter, FeatureHead, ShallowHead
 from flashspec.draft_tree import DraftTree, tree_from_chains
+from flashspec.drafters.checkpoint import save_drafter
 from flashspec.drafters.model import ModelDrafter
 from flashspec.drafters.ngram import NgramDrafter
 from flashspec.models.static import StaticLM
@@ -149,6 +152,83 @@ def test_default_gammas_are_the_engines():
         [[1, 2, 1, 2]], max_new_tokens=8)
     assert armed.stats.per_drafter["ngram"].proposed == 5 * armed.stats.steps
     assert armed.sequences == plain.sequences == [hf_greedy("llama", (1, 2, 1, 2), 8)]
+
+
+# ---------------------------------------------------------------------------------- feature drafters
+@functools.cache
+def head_folder(model: transformers.PreTrainedModel, taps: tuple[int, ...] | None = None, kind: str = "feature") -> str:
+    """An untrained (mostly rejected) head for ``model`` saved as a checkpoint: a feature head, with
+    ``taps`` fused, or a shallow one; loads as ``"{kind}:FOLDER"``."""
+    folder = tempfile.mkdtemp(prefix=f"tree-{kind}-")
+    torch.manual_seed(0)
+    head = FeatureHead(model.config, 1, taps=taps) if kind == "feature" else ShallowHead(model.config, 1, 1)
+    save_drafter(head, model, folder)
+    return folder
+
+
+# (arch, taps): the last layer's feature, and fused taps (both layers' outputs: two buffers at once)
+FEATURE_HEADS = [("llama", None), ("qwen2", (0, 1))]
+
+
+@functools.cache
+def feature_engine(arch: str, taps: tuple[int, ...] | None) -> flashspec.SpeculativeEngine:
+    """Drafters [a feature head over the target's features, n-gram, the target itself]."""
+    spec = f"feature:{head_folder(target_model(arch), taps)}"
+    return flashspec.SpeculativeEngine(target_model(arch), [spec, "ngram", target_model(arch)], device="cpu")
+
+
+@pytest.mark.parametrize("layout", ["alone", "ragged"])
+@pytest.mark.parametrize("gammas", [[1, 1, 1], [3, 2, 4], "auto"])
+@pytest.mark.parametrize("arch, taps", FEATURE_HEADS)
+def test_greedy_with_a_feature_drafter_equals_hf_generate(arch, taps, gammas, layout):
+    """A drafter that reads the target's features (last layer, or fused taps) beside the n-gram and
+    the target itself, fixed γ (also 1) and ``gammas="auto"``, batch 1 and a ragged batch of 3: every
+    row is the target's own greedy continuation, and the feature drafter proposed at every step it
+    ran (its catch-up read the features the tree steps wrote)."""
+    e = feature_engine(arch, taps)
+    e.tree_budget = None  # "auto" learns across calls: start each case afresh
+    if layout == "alone":
+        outs = [e.generate_tree([list(p)], max_new_tokens=NEW, gammas=gammas) for p in PROMPTS]
+        got, stats = [o.sequences[0] for o in outs], [o.stats for o in outs]
+    else:
+        out = e.generate_tree([list(p) for p in PROMPTS], max_new_tokens=NEW, gammas=gammas)
+        got, stats = out.sequences, [out.stats]
+    assert got == [hf_greedy(arch, p, NEW) for p in PROMPTS]
+    assert sum(s.new_tokens for s in stats) == len(PROMPTS) * NEW
+    if gammas != "auto":
+        assert all(s.per_drafter[e.drafters[0].name].steps == s.steps for s in stats)
+
+
+def test_a_feature_drafter_reads_a_chain_forwards_features_at_every_committed_position(monkeypatch):
+    """At every proposal of a fused-taps feature drafter in tree steps (ragged batch, branches of other
+    drafters committed too), the feature buffers hold, at every committed position but the pending one,
+    what a chain forward of the row's committed tokens writes: the root's from the tree forward, the
+    kept nodes' from the commit."""
+    seen = []
+    propose = FeatureDrafter.propose
+
+    def recording(self, history, num_tokens, params, uniforms):
+        seen.append((history.tokens.clone(), history.length.clone(), history.active.clone(),
+                     {n: h.clone() for n, h in history.hidden.items()}))
+        return propose(self, history, num_tokens, params, uniforms)
+
+    monkeypatch.setattr(FeatureDrafter, "propose", recording)
+    arch, taps = FEATURE_HEADS[1]
+    e = feature_engine(arch, taps)
+    out = e.generate_tree([list(p) for p in PROMPTS], max_new_tokens=NEW, gammas=[2, 3, 4])
+    assert out.sequences == [hf_greedy(arch, p, NEW) for p in PROMPTS]
+    assert len(seen) == out.stats.steps and out.stats.accepted > 0
+    chain = StaticLM(target_model(arch))
+    for tokens, length, active, hidden in seen:
+        for b in range(len(PROMPTS)):
+            n = int(length[b]) - 1
+            if not active[b] or n == 0:
+                continue
+            chain.reset(1, tokens.shape[1])
+            buffers = {k: torch.zeros_like(h[:1]) for k, h in hidden.items()}
+            chain.forward(tokens[b : b + 1, :n], torch.zeros(1, dtype=torch.long), hidden_out=buffers)
+            for k in hidden:
+                torch.testing.assert_close(hidden[k][b, :n], buffers[k][0, :n], atol=5e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------- full information
@@ -306,6 +386,19 @@ def test_sampled_tree_decoding_follows_the_target_law(case):
     assert 0 < out.stats.acceptance_rate < 1
 
 
+def test_sampled_tree_decoding_with_a_feature_drafter_follows_the_target_law():
+    """χ² as above: a feature head's drawn branch (its laws ``q`` over the target's features, which
+    the tree steps wrote) beside a noisy copy's, at T = 0.7 with top-k and top-p."""
+    temperature, top_k, top_p = 0.7, 5, 0.9
+    out = sample([f"feature:{head_folder(TARGET)}", NOISY], [2, 2], temperature, top_k, top_p)
+    p = pvalue(out, exact_law(temperature, top_k, top_p))
+    assert p > ALPHA, f"χ² p-value {p:.2e}: the output law differs from the target's"
+    per = out.stats.per_drafter
+    assert sum(s.accepted for s in per.values()) == out.stats.accepted
+    assert all(s.accepted > 0 for s in per.values())
+    assert 0 < out.stats.acceptance_rate < 1
+
+
 def drawn_siblings_merged(chains, laws):
     """Wrong: equal drawn siblings merged into one node, as equal chosen ones may be."""
     tree = tree_from_chains(torch.stack(chains, dim=1))
@@ -340,8 +433,12 @@ def test_a_seed_fixes_the_sample():
 # ---------------------------------------------------------------------------------- errors
 def test_bad_input_is_a_clear_error():
     target = target_model("llama")
-    with pytest.raises(ValueError, match="'early-exit:1'.*own state"):
-        flashspec.SpeculativeEngine(target, ["ngram", "early-exit:1"], device="cpu").generate_tree([[1, 2]])
+    for spec in ("early-exit:1", f"shallow:{head_folder(target, kind='shallow')}"):  # they share the target's cache
+        name = flashspec.SpeculativeEngine(target, [spec], device="cpu").drafters[0].name
+        with pytest.raises(ValueError, match=f"'{name}'.*target's own cache"):
+            flashspec.SpeculativeEngine(target, ["ngram", spec], device="cpu").generate_tree([[1, 2]])
+    accepted = flashspec.SpeculativeEngine(target, ["ngram", f"feature:{head_folder(target)}"], device="cpu")
+    assert accepted.generate_tree([[1, 2]], max_new_tokens=4).sequences == [hf_greedy("llama", (1, 2), 4)]
     e = engine("llama", ("ngram",))
     with pytest.raises(ValueError, match=r"gammas\[0\].*from 1 to 64; got 0"):
         e.generate_tree([[1, 2]], gammas=[0])

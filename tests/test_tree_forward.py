@@ -164,6 +164,66 @@ def test_commit_leaves_the_cache_of_the_accepted_chain(arch):
             torch.testing.assert_close(logits[b, c], expected, **TOL)
 
 
+def _feature_buffers(lm: StaticLM, counts: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Zeroed feature buffers ``{n: [B, capacity, hidden]}`` over ``lm``'s cache."""
+    return {n: torch.zeros(lm.batch, lm.capacity, lm.model.config.hidden_size) for n in counts}
+
+
+def _chain_features(model, tokens: list[int], counts: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """The features a chain forward of ``tokens`` on a fresh batch-1 cache writes: ``{n: [len, hidden]}``."""
+    lm = StaticLM(model)
+    lm.reset(1, 64)
+    buffers = _feature_buffers(lm, counts)
+    lm.forward(torch.tensor([tokens]), torch.zeros(1, dtype=torch.long), hidden_out=buffers)
+    return {n: b[0, : len(tokens)] for n, b in buffers.items()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_features_of_the_root_and_every_node_are_a_chain_forwards(arch):
+    """With ``hidden_out`` for several layer counts at once (fused taps: 1 and 2 of 2 layers), over
+    ragged rows with absent nodes: the root's features land in the buffer at ``start``, as a chain
+    forward writes them; every present node's, kept in the scratch, equal those a chain forward of
+    prompt + path writes at the node's position; nothing else in the buffers changes. After
+    ``commit_path`` (rows keep 4, 0 and 2 nodes) the buffers up to ``start + kept`` hold a chain
+    forward's features of prompt + kept tokens, and nothing past that changed."""
+    model, counts = _model(arch), (1, 2)
+    prompts = _prompts([6, 10, 3], seed=12)
+    lm, roots, start = _prefilled(model, prompts)
+    hidden = _feature_buffers(lm, counts)
+    width = max(map(len, prompts))
+    padded = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    lm.prefill(padded, torch.zeros(3, dtype=torch.long), hidden_out=hidden)
+    tree = _hand_tree(3, seed=13)
+    before = {n: b.clone() for n, b in hidden.items()}
+    _, scratch = tree_forward(lm, torch.cat([roots[:, None], tree.tokens], 1), tree.parents, start, tree.present,
+                              hidden_out=hidden)
+    _, depth = tree_layout(torch.where(tree.present, tree.parents, -1))
+    for b, prompt in enumerate(prompts):
+        s = int(start[b])
+        for n in counts:
+            torch.testing.assert_close(hidden[n][b, s], _chain_features(model, prompt, counts)[n][s], **TOL)
+            assert torch.equal(hidden[n][b, :s], before[n][b, :s])
+            assert torch.equal(hidden[n][b, s + 1 :], before[n][b, s + 1 :])  # nodes never touch the buffer
+        for j in range(len(HAND_PARENTS)):
+            if tree.present[b, j]:
+                chain = _chain_features(model, prompt + _path(HAND_PARENTS, tree.tokens[b].tolist(), j), counts)
+                for n in counts:
+                    torch.testing.assert_close(scratch.features[n][b, j], chain[n][s + int(depth[b, j])], **TOL,
+                                               msg=f"row {b}, node {j}, {n} layers")
+    path = torch.full((3, len(HAND_PARENTS)), -1)
+    path[0, :4] = torch.tensor([0, 2, 5, 6])
+    path[2, :2] = torch.tensor([1, 4])
+    kept = torch.tensor([4, 0, 2])
+    written = {n: b.clone() for n, b in hidden.items()}
+    commit_path(lm, scratch, path, kept, start)
+    for b, prompt in enumerate(prompts):
+        end = int(start[b] + kept[b]) + 1
+        chain = _chain_features(model, prompt + tree.tokens[b, path[b, : kept[b]]].tolist(), counts)
+        for n in counts:
+            torch.testing.assert_close(hidden[n][b, :end], chain[n][:end], **TOL)
+            assert torch.equal(hidden[n][b, end:], written[n][b, end:])
+
+
 def test_commit_at_the_end_of_the_cache_writes_nothing_past_it():
     """A row whose kept path ends at the cache's last position: the slots past ``kept`` repeat
     the last kept entry instead of spilling anywhere, and the cache equals a chain-fed one."""

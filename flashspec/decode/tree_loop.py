@@ -15,6 +15,10 @@ lengths from those counts (0 leaves a drafter out; all zeros is the chain loop's
 kept on the engine as ``engine.tree_budget`` (SPEC.md §7, "Choosing the tree's node budget from full
 information").
 
+Drafters that read the target's features (feature heads, EAGLE-3) take part: the tree forward and
+the commit write the committed positions' features as the chain loop's scoring forward does.
+Early-exit and shallow drafters, which draft inside the target's own cache, are refused.
+
 Eager PyTorch only; the loop reads the device once per step (stop flag, faults, statistics).
 """
 
@@ -28,6 +32,7 @@ import torch
 
 from ..draft_tree import DraftTree, TreeVerifyResult, tree_from_chains, verify_tree
 from ..drafters.base import Drafter, Growth, History, ReadsFeatures
+from ..drafters.feature import FeatureDrafter
 from ..models.static import StaticLM
 from ..models.tree import commit_path, tree_forward
 from ..select.tree_budget import Allocation, TreeBudget
@@ -40,7 +45,7 @@ from .workspace import Plan, raise_fault
 
 AUTO = "auto"  # gammas="auto": the engine's TreeBudget chooses each step's draft lengths
 
-__all__ = ["AUTO", "check_tree_engine", "decode_tree", "sampled_tree", "tree_budget"]
+__all__ = ["AUTO", "check_tree_engine", "decode_tree", "sampled_tree", "shares_target_cache", "tree_budget"]
 
 
 def check_tree_engine(engine: Any, gammas: Sequence[int] | str | None, num_draft_tokens: int) -> list[int]:
@@ -51,9 +56,10 @@ def check_tree_engine(engine: Any, gammas: Sequence[int] | str | None, num_draft
     if not drafters:
         raise ValueError("generate_tree needs at least one drafter: the tree's branches are the drafters' chains.")
     for d in drafters:
-        if isinstance(d, ReadsFeatures) or getattr(d, "target", None) is engine.target_lm:
-            raise ValueError(f"Drafter {d.name!r} reads the target's features or shares its cache; tree decoding "
-                             "supports drafters with their own state (n-gram, datastore, model drafters) for now.")
+        if shares_target_cache(d, engine.target_lm):
+            raise ValueError(f"Drafter {d.name!r} drafts inside the target's own cache; tree decoding supports "
+                             "drafters with their own state (n-gram, datastore, model drafters, and feature and "
+                             "EAGLE-3 heads over the target's features) for now.")
     if not isinstance(engine.target_lm, StaticLM):
         raise ValueError(f"Tree decoding needs a target of architecture {', '.join(StaticLM.ARCHITECTURES)} (over "
                          f"FlashSpec's static cache); this one is {engine.target.config.model_type!r}.")
@@ -72,6 +78,17 @@ def check_tree_engine(engine: Any, gammas: Sequence[int] | str | None, num_draft
             raise ValueError(f"gammas[{i}] (drafter {drafters[i].name!r}) must be an integer from 1 to "
                              f"{MAX_DRAFT_TOKENS}; got {g!r}.")
     return list(gammas)
+
+
+def shares_target_cache(drafter: Drafter, target: Any) -> bool:
+    """Whether ``drafter`` runs the target's own layers over the target's cache (early-exit and
+    shallow drafters): it writes its chain's entries there, and a shallow one hands states to a
+    chain verify, which a tree step's scratch-and-commit does not account for (SPEC.md §7). Feature
+    heads (:class:`FeatureDrafter`, EAGLE-3) keep a cache of their own and only read the target's
+    features, which the tree step writes as the chain loop does."""
+    if isinstance(drafter, FeatureDrafter):
+        return False
+    return isinstance(drafter, ReadsFeatures) or getattr(drafter, "target", None) is target
 
 
 def tree_budget(engine: Any, gamma_max: Sequence[int]) -> TreeBudget:
@@ -236,7 +253,7 @@ class _TreeRun(_Run):
             if not k:
                 continue
             began, offset = time.perf_counter(), sum(allocation[:i])
-            history = History(self.tokens, self.length, active, self.max_length, None, growth)
+            history = History(self.tokens, self.length, active, self.max_length, ws.hidden, growth)
             draft = drafter.propose(history, k, params, random[:, offset : offset + k])
             self._check_draft(drafter, draft, k)
             tokens = draft.tokens.long()
@@ -251,7 +268,9 @@ class _TreeRun(_Run):
         # chain (it fed all of it but the last token); the rest may come from another branch. So each
         # step counts twice in its Growth: the step itself, which a proposal's mark skips as in the
         # chain loop (2 unseen tokens), then what the drafter may not have fed beyond those 2 (for a
-        # drafter left out, nothing: the step's own count already bounds what it missed).
+        # drafter left out, nothing: the step's own count already bounds what it missed). A feature
+        # drafter re-feeds every position committed since its last proposal (the first count bounds
+        # them), with the target's features that tree_forward (root) and commit_path (kept nodes) wrote.
         for growth in self.growths:
             growth.launched(depth)
             growth.launched(max(depth - 2, -1))
@@ -262,8 +281,10 @@ class _TreeRun(_Run):
             tree = sampled_tree(chains, laws) if params.do_sample else greedy_tree(chains)
             start = self.length - 1
             pending = self.tokens.gather(1, start[:, None])
+            # The target's features where drafters read them (SPEC.md §11): the root's written at
+            # `start`, the nodes' kept until commit_path copies the kept path's, as a chain step writes them.
             logits, scratch = tree_forward(self.plan.target, torch.cat([pending, tree.tokens], dim=1), tree.parents,
-                                           start, tree.present, check=False)
+                                           start, tree.present, check=False, **self._features)
             result = verify_tree(logits, tree, params, random[:, nodes:])
             commit_path(self.plan.target, scratch, result.path, result.num_accepted, start)
         else:  # the chain loop's target-only step: one forward over the pending token

@@ -6,7 +6,10 @@ the tree at ``start + depth``, each node attending to the committed context, the
 ancestors and itself; it returns the logits :func:`flashspec.draft_tree.verify_tree` reads.
 Several nodes share a position, so their keys and values cannot live in the position-indexed
 cache: they stay in a :class:`TreeScratch` until :func:`commit_path` copies the accepted path's
-into the cache, as if those tokens had been fed as a chain.
+into the cache, as if those tokens had been fed as a chain. With ``hidden_out`` (the target's
+features, for drafters that read them, SPEC.md §11) the same holds for the outputs of the first
+``n`` layers: the root's are written into the feature buffer, the nodes' kept in the scratch until
+the commit copies the accepted path's.
 
 The forward runs eagerly on the model's own modules and PyTorch's SDPA with an explicit mask,
 whatever the ``StaticLM``'s ``compile``, decode maps or bit-exact mode: its results match a chain
@@ -17,12 +20,12 @@ in the layering, so the tree's ancestors and depths are computed here from the p
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from .fusion import write_kv
+from .fusion import write_features, write_kv
 from .static import StaticLM
 
 __all__ = ["TreeScratch", "commit_path", "tree_forward", "tree_layout"]
@@ -34,10 +37,15 @@ ROOT = -1
 @dataclass
 class TreeScratch:
     """The tree nodes' keys and values, ``[B, H_kv, N, D]`` per layer, rotated at each node's own
-    position: what :func:`commit_path` copies into the cache for the accepted nodes."""
+    position: what :func:`commit_path` copies into the cache for the accepted nodes. With
+    ``hidden_out``, also the nodes' features ``{n: [B, N, hidden]}`` (in the buffers' dtype) and
+    the buffers ``{n: [B, capacity, hidden]}`` the commit copies the accepted nodes' into: siblings
+    share a position, so the forward cannot write them there itself."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden_out: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def tree_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +82,19 @@ def _check_shapes(lm: StaticLM, tokens: torch.Tensor, parents: torch.Tensor, sta
         raise ValueError(f"present must be a bool tensor of shape {tuple(parents.shape)}.")
 
 
+def _check_features(lm: StaticLM, hidden_out: dict[int, torch.Tensor], batch: int) -> None:
+    """``hidden_out``'s layer counts are ``1 … layers`` and its buffers ``[B, capacity, hidden]``."""
+    layers, hidden = len(lm.base.layers), lm.base.embed_tokens.embedding_dim
+    for n, buffer in hidden_out.items():
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= layers:
+            raise ValueError(f"hidden_out's keys are layer counts from 1 to {layers}; got {n!r}.")
+        if (not isinstance(buffer, torch.Tensor) or buffer.dim() != 3 or buffer.shape[0] != batch
+                or buffer.shape[1] < lm.capacity or buffer.shape[2] != hidden):
+            shape = tuple(buffer.shape) if isinstance(buffer, torch.Tensor) else type(buffer).__name__
+            raise ValueError(f"hidden_out[{n}] must be a [B, capacity, hidden] = [{batch}, {lm.capacity}, {hidden}] "
+                             f"tensor; got {shape}.")
+
+
 def _check_values(lm: StaticLM, tokens: torch.Tensor, parents: torch.Tensor, start: torch.Tensor,
                   present: torch.Tensor) -> None:
     """The checks that read the tensors: a topological tree, tokens in the vocabulary, every
@@ -99,7 +120,8 @@ def _check_values(lm: StaticLM, tokens: torch.Tensor, parents: torch.Tensor, sta
 
 @torch.inference_mode()
 def tree_forward(lm: StaticLM, tokens: torch.Tensor, parents: torch.Tensor, start: torch.Tensor,
-                 present: torch.Tensor | None = None, check: bool = True) -> tuple[torch.Tensor, TreeScratch]:
+                 present: torch.Tensor | None = None, check: bool = True,
+                 hidden_out: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, TreeScratch]:
     """Score a draft tree in one forward: ``tokens [B, N + 1]`` are the root (column 0, fed at
     ``start [B]``, its keys and values written into the cache there) and the nodes (column
     ``j + 1`` is node ``j``, with parent ``parents [B, N]``: ``-1`` for the root, else an earlier
@@ -109,8 +131,14 @@ def tree_forward(lm: StaticLM, tokens: torch.Tensor, parents: torch.Tensor, star
     Returns ``logits [B, N + 1, V]`` (after the root, then after each node: what
     :func:`~flashspec.draft_tree.verify_tree` reads) and the nodes' keys and values for
     :func:`commit_path`. The cache at positions ``< start`` must hold the committed context.
-    ``check=False`` skips the checks that read tensors back to the host (shapes are still checked)."""
+    ``check=False`` skips the checks that read tensors back to the host (shapes are still checked).
+
+    ``hidden_out {n: [B, capacity, hidden]}``: also the output of the first ``n`` layers (all of
+    them: before the final norm), as :meth:`StaticLM.forward <flashspec.models.static.StaticLM.forward>`
+    writes it — the root's written at ``start``, the nodes' kept in the scratch for the commit."""
     _check_shapes(lm, tokens, parents, start, present)
+    hidden_out = hidden_out or {}
+    _check_features(lm, hidden_out, tokens.shape[0])
     present = torch.ones_like(parents, dtype=torch.bool) if present is None else present
     if check:
         _check_values(lm, tokens, parents, start, present)
@@ -133,7 +161,7 @@ def tree_forward(lm: StaticLM, tokens: torch.Tensor, parents: torch.Tensor, star
 
     x = lm.base.embed_tokens(tokens)
     cos, sin = lm.base.rotary_emb(x, positions)
-    node_keys, node_values = [], []
+    node_keys, node_values, node_features = [], [], {}
     for i, layer in enumerate(lm.base.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = F.linear(layer.input_layernorm(x), *lm.qkv[i]).split(
@@ -154,9 +182,13 @@ def tree_forward(lm: StaticLM, tokens: torch.Tensor, parents: torch.Tensor, star
         x = x + attn.o_proj(out)
         gate, up = F.linear(layer.post_attention_layernorm(x), *lm.gate_up[i]).chunk(2, dim=-1)
         x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+        if i + 1 in hidden_out:  # the features after layer i: the root's at its position, the nodes' kept
+            buffer = hidden_out[i + 1]
+            write_features(buffer, positions[:, :1], x[:, :1])
+            node_features[i + 1] = x[:, 1:].to(buffer.dtype)
     logits = lm.model.lm_head(lm.base.norm(x))
     lm.forward_seconds += time.perf_counter() - started
-    return logits, TreeScratch(node_keys, node_values)
+    return logits, TreeScratch(node_keys, node_values, node_features, dict(hidden_out))
 
 
 @torch.inference_mode()
@@ -166,6 +198,7 @@ def commit_path(lm: StaticLM, scratch: TreeScratch, path: torch.Tensor, kept: to
     as :class:`~flashspec.draft_tree.TreeVerifyResult` gives it) to position ``start[b] + 1 + i``
     for ``i < kept[b]``, in every layer. Afterwards the cache holds what feeding the root and the
     kept tokens as a chain would have written, so the next forward feeds at ``start + kept + 1``.
+    Features the forward kept (its ``hidden_out``) are copied the same way into their buffers.
 
     Tensor operations only, no read back to the host, static shapes: all ``L`` slots of
     ``path [B, L]`` are written, those past ``kept`` as a repeat of the last kept entry (or of the
@@ -188,8 +221,14 @@ def commit_path(lm: StaticLM, scratch: TreeScratch, path: torch.Tensor, kept: to
     def spread(index: torch.Tensor) -> torch.Tensor:
         return index[:, None, :, None].expand(batch, kv_heads, index.shape[1], dim)
 
-    source, target, root = spread(source), spread(target), spread(start.clamp(0, capacity - 1)[:, None])
+    at = start.clamp(0, capacity - 1)[:, None]
+    sources, targets, root = spread(source), spread(target), spread(at)
     for i in range(len(lm.keys)):
-        keys = torch.cat([lm.keys[i].gather(2, root), scratch.keys[i]], dim=2).gather(2, source)
-        values = torch.cat([lm.values[i].gather(2, root), scratch.values[i]], dim=2).gather(2, source)
-        write_kv(lm.keys[i], lm.values[i], keys, values, target)
+        keys = torch.cat([lm.keys[i].gather(2, root), scratch.keys[i]], dim=2).gather(2, sources)
+        values = torch.cat([lm.values[i].gather(2, root), scratch.values[i]], dim=2).gather(2, sources)
+        write_kv(lm.keys[i], lm.values[i], keys, values, targets)
+    for layers, features in scratch.features.items():  # [root, nodes] → the same slots of the feature buffer
+        buffer, hidden = scratch.hidden_out[layers], features.shape[-1]
+        root_feature = buffer.gather(1, at[..., None].expand(batch, 1, hidden))
+        chosen = torch.cat([root_feature, features], dim=1).gather(1, source[..., None].expand(-1, -1, hidden))
+        write_features(buffer, target, chosen)
