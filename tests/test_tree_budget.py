@@ -480,7 +480,7 @@ def test_bad_gammas_and_budgets_are_clear_errors():
     budget = TreeBudget([3, 2])
     with pytest.raises(ValueError, match="one draft length per drafter"):
         budget.observe((3,), [[1]], [2], 1.0)
-    with pytest.raises(ValueError, match=r"allocation\[1\] must be from 0 to 2"):
+    with pytest.raises(ValueError, match=r"allocation\[1\] must be an integer from 0 to 2"):
         budget.observe((3, 3), [[1], [1]], [2], 1.0)
     with pytest.raises(ValueError, match=r"lengths\[0\] exceed"):
         budget.observe((2, 0), [[3], [-1]], [4], 1.0)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 import statistics
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from ..checks import check_int
 from .state import MAX_CONTEXTS
 
 __all__ = ["Allocation", "TreeBudget"]
@@ -46,16 +46,7 @@ NEGLIGIBLE = 1e-9  # P(max ≥ d) below which deeper depths add nothing to E[tok
 
 def _count(value: Any, name: str, low: int, high: int | None = None) -> int:
     """An integer in ``[low, high]`` (``bool`` refused), else a ValueError naming ``name``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer; got {value!r}.")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer; got {value!r}.") from None
-    if value < low or (high is not None and value > high):
-        upto = f" to {high}" if high is not None else " or more"
-        raise ValueError(f"{name} must be from {low}{upto}; got {value}.")
-    return value
+    return check_int(name, value, low, high)
 
 
 def _positive(value: Any, name: str) -> float:
