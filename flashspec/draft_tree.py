@@ -20,7 +20,8 @@ import torch
 
 from .sampling import SamplingParams, probabilities, sample
 
-__all__ = ["DraftTree", "TreeVerifyResult", "ancestor_mask", "depths", "tree_from_chains", "verify_tree"]
+__all__ = ["DraftTree", "TreeVerifyResult", "ancestor_mask", "depths", "merge_chosen", "tree_from_chains",
+           "verify_tree"]
 
 ROOT = -1
 """The parent index of the root's children."""
@@ -33,8 +34,9 @@ class DraftTree:
     """``tokens [B, N]`` (long) and ``parents [B, N]`` (long: ``-1`` for the root, else an index
     ``< j``); ``laws [B, N, V]`` (float) where some node's token was drawn from a law, with
     ``drawn [B, N]`` (bool) saying which (the others are point masses); ``present [B, N]``
-    (bool) for ragged rows (default: every node). Checked on construction; call it outside
-    captured regions (the checks read the tensors)."""
+    (bool) for ragged rows (default: every node). Checked on construction, which reads the
+    tensors back to the host; :meth:`unchecked` builds a tree known to be valid without reading
+    anything (SPEC.md §2, "Construction checks")."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -73,6 +75,17 @@ class DraftTree:
             if bool(orphan.any()):
                 raise ValueError("A present node's parent must be present.")
 
+    @classmethod
+    def unchecked(cls, tokens: torch.Tensor, parents: torch.Tensor, laws: torch.Tensor | None = None,
+                  drawn: torch.Tensor | None = None, present: torch.Tensor | None = None) -> DraftTree:
+        """The same tree as ``DraftTree(...)`` without the construction checks: no tensor is read,
+        so it may be built inside a step that must not synchronise. For trees valid by construction."""
+        tree = object.__new__(cls)
+        for name, value in (("tokens", tokens), ("parents", parents), ("laws", laws), ("drawn", drawn),
+                            ("present", present)):
+            object.__setattr__(tree, name, value)
+        return tree
+
     def walk_parents(self) -> torch.Tensor:
         """Parents with absent nodes marked :data:`ABSENT` (never a candidate)."""
         if self.present is None:
@@ -90,14 +103,15 @@ class TreeVerifyResult:
     tokens: torch.Tensor
 
 
-def tree_from_chains(chains: torch.Tensor, lengths: torch.Tensor | None = None) -> DraftTree:
+def tree_from_chains(chains: torch.Tensor, lengths: torch.Tensor | None = None, check: bool = True) -> DraftTree:
     """The tree of several chosen continuations (point masses: n-gram and datastore
     continuations, greedy drafts), one per drafter: ``chains [B, M, L]`` token ids, ``lengths
     [B, M]`` how many of each chain's tokens are real (default: all ``L``). Chain ``i``'s token
     ``d`` is node ``i·L + d``; where an earlier chain has the same first ``d + 1`` tokens, that
     chain's node stands for it (one node per distinct prefix: the same token from two drafters is
     one node) and this one is absent. Static shapes ``[B, M·L]``, tensor operations only; earlier
-    chains' branches are tested first (SPEC.md §2, "Tree verification")."""
+    chains' branches are tested first (SPEC.md §2, "Tree verification"). ``check=False`` skips the
+    checks that read tensors (``lengths``' range, the tree's) and returns an unchecked tree."""
     if chains.dim() != 3 or chains.dtype != torch.long:
         raise ValueError(f"chains must be a [B, M, L] tensor of token ids (torch.long); got {tuple(chains.shape)} "
                          f"{chains.dtype}.")
@@ -109,7 +123,7 @@ def tree_from_chains(chains: torch.Tensor, lengths: torch.Tensor | None = None) 
     if lengths is None:
         real = torch.ones(batch, m, length, dtype=torch.bool, device=device)
     else:
-        if lengths.shape != (batch, m) or bool(((lengths < 0) | (lengths > length)).any()):
+        if lengths.shape != (batch, m) or (check and bool(((lengths < 0) | (lengths > length)).any())):
             raise ValueError(f"lengths must be [B, M] = [{batch}, {m}] with values in [0, {length}].")
         real = depth[None, None] < lengths[..., None]
     # same[b, i, k, d]: chains i and k agree on their first d + 1 tokens, all of them real
@@ -123,7 +137,35 @@ def tree_from_chains(chains: torch.Tensor, lengths: torch.Tensor | None = None) 
     parent_node = torch.cat([torch.full_like(node[..., :1], ROOT), node[..., :-1]], dim=-1)
     parents = torch.where(present, parent_node, ROOT).reshape(batch, m * length)
     present = present.reshape(batch, m * length)
-    return DraftTree(chains.reshape(batch, m * length), parents, present=present)
+    build = DraftTree if check else DraftTree.unchecked
+    return build(chains.reshape(batch, m * length), parents, present=present)
+
+
+def merge_chosen(tree: DraftTree) -> DraftTree:
+    """``tree`` with equal chosen siblings merged: node ``j`` goes into the first earlier present
+    node with its token under the same (merged) parent when both are point masses (drawn nodes are
+    never merged); it becomes absent and its children move under that node. The token paths from
+    the root are the same, one node each (SPEC.md §2, "Duplicates"). One pass over the nodes, no
+    read back to the host; returns an unchecked tree (valid when ``tree`` is)."""
+    tokens, batch, n = tree.tokens, tree.tokens.shape[0], tree.tokens.shape[1]
+    device = tokens.device
+    present = torch.ones_like(tokens, dtype=torch.bool) if tree.present is None else tree.present
+    chosen = present if tree.drawn is None else present & ~tree.drawn
+    index = torch.arange(n, device=device)
+    stands = index.expand(batch, n).clone()  # the node that stands for each node after the merge
+    parents = tree.parents.clone()
+    kept = present.clone()
+    for j in range(1, n):
+        parent = tree.parents[:, j]
+        merged_parent = torch.where(parent >= 0, stands.gather(1, parent.clamp(min=0)[:, None]).squeeze(1), parent)
+        parents[:, j] = torch.where(present[:, j], merged_parent, parent)
+        same = (parents[:, :j] == parents[:, j : j + 1]) & (tokens[:, :j] == tokens[:, j : j + 1]) & kept[:, :j]
+        same &= chosen[:, :j] & chosen[:, j : j + 1]
+        first = torch.where(same.any(dim=1), same.long().argmax(dim=1), j)  # argmax: the first True
+        stands[:, j] = first
+        kept[:, j] &= first == j
+    parents = torch.where(kept, parents, torch.where(present, ROOT, tree.parents))
+    return DraftTree.unchecked(tokens, parents, tree.laws, tree.drawn, kept)
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:

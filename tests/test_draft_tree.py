@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from flashspec.draft_tree import DraftTree, ancestor_mask, depths, tree_from_chains, verify_tree
+from flashspec.draft_tree import DraftTree, ancestor_mask, depths, merge_chosen, tree_from_chains, verify_tree
 from flashspec.sampling import SamplingParams, probabilities
 from flashspec.verify import verify
 
@@ -342,3 +342,125 @@ def test_bad_chains_are_clear_errors():
         tree_from_chains(torch.zeros(2, 0, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="lengths must be"):
         tree_from_chains(torch.zeros(2, 1, 3, dtype=torch.long), torch.tensor([[4], [1]]))
+
+
+# ---------------------------------------------------------------------------------- construction and merging
+FIELDS = ("tokens", "parents", "laws", "drawn", "present")
+
+
+def _valid_tree(data, batch: int, n: int, vocab: int, seed: int, laws: bool, ragged: bool):
+    """Random valid tree tensors: parents earlier, a present node's parent present, drawn laws."""
+    parents = _random_tree(data, batch, n)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, n), generator=gen)
+    present = None
+    if ragged:
+        present = torch.ones(batch, n, dtype=torch.bool)
+        for j in range(n):
+            above = present.gather(1, parents[:, j : j + 1].clamp(min=0)).squeeze(1) | (parents[:, j] < 0)
+            present[:, j] = above & (torch.rand(batch, generator=gen) < 0.8)
+    q = torch.softmax(torch.randn(batch, n, vocab, generator=gen), -1) if laws else None
+    drawn = torch.rand(batch, n, generator=gen) < 0.5 if laws else None
+    return tokens, parents, q, drawn, present
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 3), n=st.integers(1, 7), vocab=st.integers(1, 5), laws=st.booleans(),
+       ragged=st.booleans(), seed=st.integers(0, 2**16))
+def test_unchecked_trees_equal_checked_ones(data, batch, n, vocab, laws, ragged, seed):
+    """On a valid tree ``DraftTree.unchecked`` holds the very tensors the checked constructor holds, so
+    the walk reads them alike (greedy and sampled); ``tree_from_chains(check=False)`` equals the checked
+    one. The unchecked constructor checks nothing (it takes a tree the checked one refuses)."""
+    fields = _valid_tree(data, batch, n, vocab, seed, laws, ragged)
+    checked, unchecked = DraftTree(*fields), DraftTree.unchecked(*fields)
+    assert all(getattr(checked, f) is getattr(unchecked, f) for f in FIELDS)
+    assert unchecked == checked and isinstance(unchecked, DraftTree)
+    gen = torch.Generator().manual_seed(seed + 1)
+    logits = torch.randn(batch, n + 1, vocab, generator=gen)
+    uniforms = torch.rand(batch, n + 1, generator=gen)
+    for params in (SamplingParams(), SAMPLED):
+        a, b = verify_tree(logits, checked, params, uniforms), verify_tree(logits, unchecked, params, uniforms)
+        assert torch.equal(a.path, b.path) and torch.equal(a.tokens, b.tokens)
+    chains = fields[0][:, None].expand(batch, 2, n) % torch.tensor([1, 2])[None, :, None]
+    lengths = torch.tensor([[n, n // 2]]).expand(batch, 2)
+    for a, b in [(tree_from_chains(chains, lengths), tree_from_chains(chains, lengths, check=False)),
+                 (tree_from_chains(chains), tree_from_chains(chains, check=False))]:
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "parents", "present"))
+    with pytest.raises(ValueError, match="earlier node"):
+        DraftTree(fields[0], torch.full_like(fields[1], n))
+    DraftTree.unchecked(fields[0], torch.full_like(fields[1], n))
+
+
+def _node_keys(tokens: list[int], parents: list[int], present: list[bool], drawn: list[bool]) -> list:
+    """What identifies a node after merging: a drawn node is itself; a chosen one is its parent's key
+    and its token. None for an absent node."""
+    keys: list = []
+    for j, (token, parent) in enumerate(zip(tokens, parents)):
+        if not present[j]:
+            keys.append(None)
+            continue
+        above = keys[parent] if parent >= 0 else "root"
+        keys.append(("drawn", j) if drawn[j] else (above, token))
+    return keys
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 3), n=st.integers(1, 8), vocab=st.integers(1, 3), laws=st.booleans(),
+       ragged=st.booleans(), seed=st.integers(0, 2**16))
+def test_merging_chosen_siblings_keeps_every_path_once(data, batch, n, vocab, laws, ragged, seed):
+    """``merge_chosen``: a valid tree (the checked constructor takes it) whose present nodes are the
+    original's distinct nodes — one per chosen token path, every drawn node kept — each standing where
+    the original's were, with the same tokens; greedy, the walk keeps the longest path of the target's
+    greedy tokens, at least as long as on the original tree (the target's logits a function of the path:
+    depth and last token)."""
+    tokens, parents, q, drawn, present = _valid_tree(data, batch, n, vocab, seed, laws, ragged)
+    tree = DraftTree(tokens, parents, q, drawn, present)
+    merged = merge_chosen(tree)
+    DraftTree(merged.tokens, merged.parents, merged.laws, merged.drawn, merged.present)  # valid
+    assert torch.equal(merged.tokens, tokens)
+    flags = (present if present is not None else torch.ones_like(tokens, dtype=torch.bool)).tolist()
+    is_drawn = drawn.tolist() if drawn is not None else [[False] * n] * batch
+    for b in range(batch):
+        before = _node_keys(tokens[b].tolist(), parents[b].tolist(), flags[b], is_drawn[b])
+        after = _node_keys(tokens[b].tolist(), merged.parents[b].tolist(), merged.present[b].tolist(), is_drawn[b])
+        kept = [k for k in after if k is not None]
+        assert len(kept) == len(set(kept)) == len({k for k in before if k is not None})
+        assert all(k in kept for k in before if k is not None)
+        for j in range(n):  # a merged node's key is the first node's with it
+            if flags[b][j] and not merged.present[b, j]:
+                assert before[j] in after[:j]
+    table = torch.randn(n + 1, vocab, vocab, generator=torch.Generator().manual_seed(seed))
+    depth = depths(tree.parents)
+    logits = torch.cat([table[0, 0].expand(batch, 1, vocab), table[depth, tokens]], dim=1)
+    greedy = SamplingParams()
+    if q is None:
+        plain, joined = verify_tree(logits, tree, greedy), verify_tree(logits, merged, greedy)
+        assert bool((joined.num_accepted >= plain.num_accepted).all())
+        for b in range(batch):  # brute force: the deepest present node on the greedy path
+            best, on = 0, {}
+            for j in range(n):
+                parent = int(parents[b, j])
+                above = on.get(parent, False) if parent >= 0 else True
+                context = table[int(depth[b, parent]), int(tokens[b, parent])] if parent >= 0 else table[0, 0]
+                on[j] = bool(flags[b][j] and above and int(tokens[b, j]) == int(context.argmax()))
+                best = max(best, int(depth[b, j]) if on[j] else 0)
+            assert int(joined.num_accepted[b]) == best
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 3), m=st.integers(1, 4), length=st.integers(1, 4),
+       vocab=st.integers(1, 3))
+def test_merging_chains_is_tree_from_chains(data, batch, m, length, vocab):
+    """Chains laid out as ``tree_from_chains`` lays them (chain ``i``'s token ``d`` at node ``i·L + d``,
+    under node ``i·L + d − 1``) and merged: the tree ``tree_from_chains`` builds, node for node."""
+    chains = torch.tensor([[[data.draw(st.integers(0, vocab - 1)) for _ in range(length)] for _ in range(m)]
+                           for _ in range(batch)])
+    lengths = torch.tensor([[data.draw(st.integers(0, length)) for _ in range(m)] for _ in range(batch)])
+    expected = tree_from_chains(chains, lengths)
+    real = (torch.arange(length)[None, None] < lengths[..., None]).reshape(batch, m * length)
+    node = torch.arange(m * length)
+    chain_parents = torch.where(node % length == 0, -1, node - 1).expand(batch, -1)
+    laid = DraftTree(chains.reshape(batch, -1), torch.where(real, chain_parents, -1), present=real)
+    merged = merge_chosen(laid)
+    assert torch.equal(merged.present, expected.present)
+    assert torch.equal(merged.parents, expected.parents)
