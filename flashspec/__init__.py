@@ -12,6 +12,7 @@ from .drafters import (
                        NgramDrafter,
                        ShallowDrafter,
                        ShallowHead,
+                       TreeExpansion,
 )
 from .engine import SpeculativeEngine
 from .sampling import SamplingParams
@@ -38,6 +39,7 @@ __all__ = [
     "ShallowHead",
     "Selection",
     "SpeculativeEngine",
+    "TreeExpansion",
     "VerifyResult",
     "calibrated_engine",
     "verify",

@@ -148,6 +148,42 @@ class Eagle3Head(nn.Module):
         FlashSpec positions ``positions [B, W]``; writes the pairs' keys and values into the cache
         ``keys, values [B, kv, C, d]`` there (clamped to ``C − 1``), then attends. Rotary
         positions are ``t − 1``, as EAGLE-3 numbers the pair ``(h_{t-1}, x_t)``."""
+        residual, q, k, v = self._project(embeddings, features, positions)
+        dim = q.shape[-1]
+        at = positions.clamp(max=keys.shape[2] - 1)[:, None, :, None].expand(-1, k.shape[1], -1, dim)
+        keys.scatter_(2, at, k.to(keys.dtype))
+        values.scatter_(2, at, v.to(values.dtype))
+        return self._finish(residual, eagle3_attention(q, keys, values, positions))
+
+    def tree_layer(self, embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                   keys: torch.Tensor, values: torch.Tensor, pending: torch.Tensor, sees: torch.Tensor,
+                   before: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`layer` on tree nodes (SPEC.md §7, "Top-k expansion"), writing nothing: each sees the
+        cache at ``1 … pending [B]``, the nodes fed before (``before``: their keys and values
+        ``[B, kv, M, d]``) that ``sees [B, W, M]`` marks, and itself. Returns the output and the
+        nodes' keys and values."""
+        residual, q, k, v = self._project(embeddings, features, positions)
+        k, v = k.to(keys.dtype), v.to(values.dtype)
+        batch, heads, width, dim = q.shape
+        kv = keys.shape[1]
+        groups, capacity = heads // kv, keys.shape[2]
+        j = torch.arange(capacity, device=q.device)
+        cache = ((j >= 1) & (j <= pending[:, None]))[:, None].expand(batch, width, capacity)
+        itself = torch.eye(width, dtype=torch.bool, device=q.device).expand(batch, width, width)
+        visible = torch.cat([cache, sees, itself], dim=-1)
+        seen = visible.shape[-1]
+        visible = visible[:, None, None].expand(batch, 1, groups, width, seen).reshape(batch, 1, groups * width, seen)
+        earlier = [] if before is None else [before]
+        all_keys = torch.cat([keys, *(a for a, _ in earlier), k], dim=2)
+        all_values = torch.cat([values, *(b for _, b in earlier), v], dim=2)
+        rows = q.reshape(batch, kv, groups * width, dim)  # row g·W + w: head kv·groups + g, node w
+        out = torch.nn.functional.scaled_dot_product_attention(rows, all_keys, all_values, attn_mask=visible)
+        return self._finish(residual, out.reshape(batch, heads, width, dim)), k, v
+
+    def _project(self, embeddings: torch.Tensor, features: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual and the rotated ``q, k [B, heads|kv, W, d]`` and ``v`` of the pairs."""
         block, attn = self.layers[0], self.layers[0].self_attn
         batch, width, _ = features.shape
         residual = features
@@ -164,11 +200,13 @@ class Eagle3Head(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         cos, sin = self.rotary_emb(v, positions - 1)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        at = positions.clamp(max=keys.shape[2] - 1)[:, None, :, None].expand(-1, k.shape[1], -1, dim)
-        keys.scatter_(2, at, k.to(keys.dtype))
-        values.scatter_(2, at, v.to(values.dtype))
-        out = eagle3_attention(q, keys, values, positions).transpose(1, 2).reshape(batch, width, -1)
-        h = residual + attn.o_proj(out)
+        return residual, q, k, v
+
+    def _finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The output projection, the residual and the MLP after attention ``[B, heads, W, d]``."""
+        block = self.layers[0]
+        batch, _, width, _ = attended.shape
+        h = residual + block.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, width, -1))
         return h + block.mlp(block.post_attention_layernorm(h))
 
 
@@ -263,3 +301,23 @@ class Eagle3Drafter(FeatureDrafter):
         logits = head.lm_head(normed)
         self.lm.forward_seconds += time.perf_counter() - started
         return logits
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.head.lm_head.weight.shape[0])
+
+    def _tree_network(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                      pending: torch.Tensor, sees: torch.Tensor, scratch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`FeatureDrafter._tree_network` with EAGLE-3's layer (:meth:`Eagle3Head.tree_layer`):
+        the fed-back feature is the layer's output, normed with ``norm_output``."""
+        started, head = time.perf_counter(), self.head
+        embeddings = self._embed(tokens).to(features.dtype)
+        before = scratch.get("kv")
+        out, keys, values = head.tree_layer(embeddings, features, positions, self.lm.keys, self.lm.values, pending,
+                                            sees, before)
+        if before is not None:
+            keys, values = torch.cat([before[0], keys], dim=2), torch.cat([before[1], values], dim=2)
+        scratch["kv"] = (keys, values)
+        normed = head.norm(out)
+        self.lm.forward_seconds += time.perf_counter() - started
+        return head.lm_head(normed), (normed if head.norm_output else out)

@@ -18,6 +18,7 @@ whose true feature it has not yet seen (the drafts it fed last time used predict
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
@@ -26,8 +27,10 @@ from torch import nn
 from ..checks import check_int
 from ..models.graphs import Graphs, window_widths
 from ..models.static import StaticLM
+from ..models.tree import tree_layers
 from ..sampling import SamplingParams
 from .base import Draft, History, Seen, autoregress, draw
+from .expansion import ExpandedDraft, Step, expand_tree
 
 __all__ = ["FeatureDrafter", "FeatureHead", "SubsetHead", "check_taps", "decoder_layer", "default_taps",
            "draw_in_subset", "tapped_layers", "window_widths"]
@@ -371,7 +374,17 @@ class FeatureDrafter:
         """Pure tensor code (no host reads), so it can be captured as a graph. With ``compile``,
         the feed of a window of up to COMPILED_WIDTHS positions and the one-token steps run
         compiled; a wider window's feed (the prompt's, a long gap's) runs eagerly."""
-        feed, step = self._feed_step, self._next_step
+        length, step = history.length, self._next_step
+        logits = self._root_logits(history, window)
+        subset = self._subset
+        draw_token = None if subset is None else (
+            lambda logits, params, u: draw_in_subset(logits, subset.vocab, subset.vocab_size, params, u))
+        return autoregress(logits, lambda token, i: step(token, length + i), num_tokens, params, uniforms, draw_token)
+
+    def _root_logits(self, history: History, window: int) -> torch.Tensor:
+        """Feed the last ``window`` committed positions of every row; the logits after the pending
+        token, ``[B, V]`` (the draft vocabulary's with a compact head)."""
+        feed = self._feed_step
         if window > StaticLM.COMPILED_WIDTHS:
             feed = self._feed
         length, tokens, hidden = history.length, history.tokens, self._hidden(history)
@@ -387,8 +400,68 @@ class FeatureDrafter:
                     begin = (length - width).clamp(min=0)
                     self._feed_step(tokens, hidden, self._features, begin, width, (length - 1 - begin)[:, None])
         start = (length - window).clamp(min=0)
-        logits = feed(tokens, hidden, self._features, start, window, (length - 1 - start)[:, None])[:, 0]
-        subset = self._subset
-        draw_token = None if subset is None else (
-            lambda logits, params, u: draw_in_subset(logits, subset.vocab, subset.vocab_size, params, u))
-        return autoregress(logits, lambda token, i: step(token, length + i), num_tokens, params, uniforms, draw_token)
+        return feed(tokens, hidden, self._features, start, window, (length - 1 - start)[:, None])[:, 0]
+
+    # ------------------------------------------------------------------ top-k expansion (SPEC.md §7)
+    @property
+    def draft_vocab_size(self) -> int:
+        """The tokens the head drafts from (its draft vocabulary, or the target's)."""
+        return int(self.lm.model.lm_head.weight.shape[0])
+
+    @torch.inference_mode()
+    def expand(self, history: History, depth: int, topk: int, nodes: int, params: SamplingParams) -> ExpandedDraft:
+        """EAGLE-2's dynamic draft tree of ``depth`` levels, ``topk`` children per fed node, the
+        ``nodes`` most probable paths kept (SPEC.md §7, "Top-k expansion"): the catch-up window as
+        for :meth:`propose`, then one forward per level over the ``topk`` frontier nodes under a
+        tree mask, their keys, values and features in a scratch (nothing written past the pending
+        token). Eager, no host reads."""
+        self._check(history)
+        if self._seen.first:
+            self._start(history)
+        window = self._window(history)
+        self._seen.fed(history)
+        root = self._root_logits(history, window)
+        vocab = None if self._subset is None else self._subset.vocab
+        return expand_tree(root, self._tree_step(history), depth, topk, nodes, params, vocab)
+
+    def _tree_step(self, history: History) -> Step:
+        """Feeds one level's frontier: each node with its parent's predicted feature (the one at the
+        pending token for the root's children), at position ``length − 1 + depth``."""
+        features, fed, scratch = self._features, [], {}
+        capacity, hidden = features.shape[1], features.shape[2]
+        pending = (history.length - 1).clamp(0, capacity - 1)
+        root = features.gather(1, pending[:, None, None].expand(-1, 1, hidden))  # [B, 1, H]
+
+        def step(tokens: torch.Tensor, parents: torch.Tensor, sees: torch.Tensor, depth: int) -> torch.Tensor:
+            parent = root.expand(-1, tokens.shape[1], -1)
+            if fed:
+                earlier = torch.cat(fed, dim=1).gather(1, parents.clamp(min=0)[..., None].expand(-1, -1, hidden))
+                parent = torch.where((parents >= 0)[..., None], earlier, parent)
+            positions = (pending + depth).clamp(max=capacity - 1)[:, None].expand_as(tokens)
+            logits, out = self._tree_network(tokens, parent, positions, pending, sees, scratch)
+            fed.append(out)
+            return logits
+
+        return step
+
+    def _tree_network(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                      pending: torch.Tensor, sees: torch.Tensor, scratch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The network on tree nodes ``tokens [B, W]`` with the features before them ``[B, W, H]``:
+        each sees the cache up to ``pending [B]``, the nodes fed before that ``sees [B, W, M]`` marks
+        (their keys and values in ``scratch``, which this extends) and itself. Returns the logits and
+        the predicted features (the layers' output)."""
+        started, lm = time.perf_counter(), self.lm
+        batch, width = tokens.shape
+        x = self.head.inputs(features, lm.base.embed_tokens(tokens))
+        cache = (torch.arange(lm.capacity, device=tokens.device) <= pending[:, None])[:, None]
+        itself = torch.eye(width, dtype=torch.bool, device=tokens.device).expand(batch, width, width)
+        visible = torch.cat([cache.expand(batch, width, lm.capacity), sees, itself], dim=-1)
+        before = scratch.get("kv")
+        out, keys, values, _ = tree_layers(lm, x, positions, visible, before=before)
+        if before is not None:
+            keys = [torch.cat([a, b], dim=2) for a, b in zip(before[0], keys)]
+            values = [torch.cat([a, b], dim=2) for a, b in zip(before[1], values)]
+        scratch["kv"] = (keys, values)
+        logits = lm.model.lm_head(lm.base.norm(out))
+        lm.forward_seconds += time.perf_counter() - started
+        return logits, out

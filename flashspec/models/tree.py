@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .fusion import write_features, write_kv
 from .static import StaticLM
 
-__all__ = ["TreeScratch", "commit_path", "tree_forward", "tree_layout"]
+__all__ = ["TreeScratch", "commit_path", "tree_forward", "tree_layers", "tree_layout"]
 
 ROOT = -1
 """The parent index of the root's children (as in :class:`flashspec.draft_tree.DraftTree`)."""
@@ -118,6 +118,54 @@ def _check_values(lm: StaticLM, tokens: torch.Tensor, parents: torch.Tensor, sta
                          "present node: reset the cache with more room.")
 
 
+def tree_layers(lm: StaticLM, x: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, *, cached: int = 0,
+                before: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None, taps: tuple[int, ...] = (),
+                ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], dict[int, torch.Tensor]]:
+    """``lm``'s decoder layers on ``x [B, W, hidden]`` at ``positions [B, W]`` under an explicit mask
+    (eager, SDPA). The first ``cached`` columns' keys and values are written into the cache at their
+    positions (before attention); the others' are returned, ``[B, H_kv, W − cached, D]`` per layer.
+    The keys attended are the cache's ``capacity``, then ``before``'s (keys and values per layer of
+    nodes fed earlier, ``[B, H_kv, M, D]``), then the returned ones: ``visible [B, W, capacity + M +
+    W − cached]`` says which each column sees. Returns the last layer's output (before the final
+    norm), the keys, the values, and ``{n: [B, W, hidden]}`` the output of the first ``n`` layers for
+    each ``n`` of ``taps``."""
+    batch, width, _ = x.shape
+    heads, kv_heads, dim = lm.num_heads, lm.num_kv_heads, lm.head_dim
+    groups = heads // kv_heads
+    # Query heads h = kv * groups + g share key head kv: fold the groups into the query axis.
+    keys_seen = visible.shape[-1]
+    visible = visible[:, None, None].expand(batch, 1, groups, width, keys_seen).reshape(batch, 1, groups * width,
+                                                                                          keys_seen)
+    slots = positions[:, :cached, None, None].transpose(1, 2).expand(batch, kv_heads, cached, dim)
+    cos, sin = lm.base.rotary_emb(x, positions)
+    new_keys, new_values, outputs = [], [], {}
+    for i, layer in enumerate(lm.base.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = F.linear(layer.input_layernorm(x), *lm.qkv[i]).split(
+            [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k = q.view(batch, width, heads, dim), k.view(batch, width, kv_heads, dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        v = v.view(batch, width, kv_heads, dim).transpose(1, 2)
+        q, k = lm.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        if cached:
+            write_kv(lm.keys[i], lm.values[i], k[:, :, :cached].contiguous(), v[:, :, :cached].contiguous(), slots)
+        new_keys.append(k[:, :, cached:].contiguous())
+        new_values.append(v[:, :, cached:].contiguous())
+        earlier = [] if before is None else [(before[0][i], before[1][i])]
+        keys = torch.cat([lm.keys[i], *(k for k, _ in earlier), new_keys[-1]], dim=2)
+        values = torch.cat([lm.values[i], *(v for _, v in earlier), new_values[-1]], dim=2)
+        q = q.reshape(batch, kv_heads, groups * width, dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=attn.scaling)
+        out = out.reshape(batch, heads, width, dim).transpose(1, 2).reshape(batch, width, heads * dim)
+        x = x + attn.o_proj(out)
+        gate, up = F.linear(layer.post_attention_layernorm(x), *lm.gate_up[i]).chunk(2, dim=-1)
+        x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+        if i + 1 in taps:
+            outputs[i + 1] = x
+    return x, new_keys, new_values, outputs
+
+
 @torch.inference_mode()
 def tree_forward(lm: StaticLM, tokens: torch.Tensor, parents: torch.Tensor, start: torch.Tensor,
                  present: torch.Tensor | None = None, check: bool = True,
@@ -145,47 +193,18 @@ def tree_forward(lm: StaticLM, tokens: torch.Tensor, parents: torch.Tensor, star
     started = time.perf_counter()
     batch, width = tokens.shape
     n, capacity, device = width - 1, lm.capacity, tokens.device
-    heads, kv_heads, dim = lm.num_heads, lm.num_kv_heads, lm.head_dim
-    groups = heads // kv_heads
-
     among_nodes, depth = tree_layout(torch.where(present, parents, ROOT))
     positions = (start[:, None] + torch.cat([torch.zeros_like(depth[:, :1]), depth], dim=1)).clamp(max=capacity - 1)
     # Keys: the cache (committed context and the root, positions <= start), then the N nodes.
     committed = (torch.arange(capacity, device=device) <= start[:, None])[:, None].expand(batch, width, capacity)
     root_sees_no_node = torch.zeros(batch, 1, n, dtype=torch.bool, device=device)
     visible = torch.cat([committed, torch.cat([root_sees_no_node, among_nodes], dim=1)], dim=-1)
-    # Query heads h = kv * groups + g share key head kv: fold the groups into the query axis.
-    visible = visible[:, None, None].expand(batch, 1, groups, width, capacity + n)
-    visible = visible.reshape(batch, 1, groups * width, capacity + n)
-    root_slots = start.clamp(0, capacity - 1)[:, None, None, None].expand(batch, kv_heads, 1, dim)
-
-    x = lm.base.embed_tokens(tokens)
-    cos, sin = lm.base.rotary_emb(x, positions)
-    node_keys, node_values, node_features = [], [], {}
-    for i, layer in enumerate(lm.base.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        q, k, v = F.linear(layer.input_layernorm(x), *lm.qkv[i]).split(
-            [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        q, k = q.view(batch, width, heads, dim), k.view(batch, width, kv_heads, dim)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        v = v.view(batch, width, kv_heads, dim).transpose(1, 2)
-        q, k = lm.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        write_kv(lm.keys[i], lm.values[i], k[:, :, :1].contiguous(), v[:, :, :1].contiguous(), root_slots)
-        node_keys.append(k[:, :, 1:].contiguous())
-        node_values.append(v[:, :, 1:].contiguous())
-        keys = torch.cat([lm.keys[i], node_keys[-1]], dim=2)
-        values = torch.cat([lm.values[i], node_values[-1]], dim=2)
-        q = q.reshape(batch, kv_heads, groups * width, dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=attn.scaling)
-        out = out.reshape(batch, heads, width, dim).transpose(1, 2).reshape(batch, width, heads * dim)
-        x = x + attn.o_proj(out)
-        gate, up = F.linear(layer.post_attention_layernorm(x), *lm.gate_up[i]).chunk(2, dim=-1)
-        x = x + mlp.down_proj(mlp.act_fn(gate) * up)
-        if i + 1 in hidden_out:  # the features after layer i: the root's at its position, the nodes' kept
-            buffer = hidden_out[i + 1]
-            write_features(buffer, positions[:, :1], x[:, :1])
-            node_features[i + 1] = x[:, 1:].to(buffer.dtype)
+    x, node_keys, node_values, taps = tree_layers(lm, lm.base.embed_tokens(tokens), positions, visible, cached=1,
+                                                  taps=tuple(hidden_out))
+    node_features = {}
+    for layers, buffer in hidden_out.items():  # the root's features at its position, the nodes' kept
+        write_features(buffer, positions[:, :1], taps[layers][:, :1])
+        node_features[layers] = taps[layers][:, 1:].to(buffer.dtype)
     logits = lm.model.lm_head(lm.base.norm(x))
     lm.forward_seconds += time.perf_counter() - started
     return logits, TreeScratch(node_keys, node_values, node_features, dict(hidden_out))
