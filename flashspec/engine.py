@@ -361,14 +361,16 @@ class SpeculativeEngine:
         return self._output(sequences, stats)
 
     def generate_tree(self, input_ids: Any, *, gammas: Sequence[int] | str | None = None,
-                      **options: Any) -> GenerationOutput:
+                      expand: Mapping[str, Any] | None = None, **options: Any) -> GenerationOutput:
         """Decode with one draft tree per step made of every drafter's chain (``gammas``: one γ per
         drafter, or ``"auto"``: chosen each step for ``context`` by :attr:`tree_budget`), verified
-        exactly in one target forward; ``options`` are :meth:`generate`'s but ``progress`` and
-        ``sync_every``. Each drafter's ``stats.per_drafter`` counts its branch's tokens on every
-        committed path (SPEC.md §7, "Draft trees in the decode loop", "Choosing the tree's node budget")."""
+        exactly in one target forward; ``expand={name: TreeExpansion(topk, nodes)}`` makes a feature
+        or EAGLE-3 head's part an EAGLE-2 top-k expansion of depth γ instead of its chain.
+        ``options`` are :meth:`generate`'s but ``progress`` and ``sync_every``. Each drafter's
+        ``stats.per_drafter`` counts its branch's tokens on every committed path (SPEC.md §7, "Draft
+        trees in the decode loop", "Top-k expansion", "Choosing the tree's node budget")."""
         with self.session():
-            return decode_tree(self, input_ids, gammas=gammas, **options)
+            return decode_tree(self, input_ids, gammas=gammas, expand=expand, **options)
 
     # ------------------------------------------------------------------ continuous batching
     def batch(self, *, slots: int = 8, max_length: int | None = None, num_draft_tokens: int = 4,

@@ -1,8 +1,9 @@
-"""Decoding with one draft tree per step made of several drafters' chains
-(``SpeculativeEngine.generate_tree``, flashspec/decode/tree_loop.py; SPEC.md §7, "Draft trees in the
-decode loop"): greedy output equals the target's own greedy output, sampled output follows the
-target's exact law (χ², SPEC.md §6), a wrong tree rule is caught, the per-drafter statistics are
-the full information they claim, and bad input is a clear error."""
+"""Decoding with one draft tree per step made of several drafters' chains and top-k expansions
+(``SpeculativeEngine.generate_tree``, flashspec/decode/tree_loop.py, tree_build.py; SPEC.md §7, "Draft
+trees in the decode loop", "Top-k expansion of a feature drafter"): greedy output equals the target's
+own greedy output, sampled output follows the target's exact law (χ², SPEC.md §6), a wrong tree rule
+is caught, the per-drafter statistics are the full information they claim, a step reads the device
+once, and bad input is a clear error."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from stats_helpers import ALPHA, chi2_pvalue
+from test_tree_expansion import READS, eagle3_head
 from tiny_models import ARCHITECTURES, noisy_copy, tiny_model
 
 import flashspec
 from flashspec.decode import tree_loop
-from flashspec import FeatureDrafter, FeatureHead, ShallowHead
+from flashspec import FeatureDrafter, FeatureHead, ShallowHead, TreeExpansion
 from flashspec.draft_tree import DraftTree, tree_from_chains
 from flashspec.drafters.checkpoint import save_drafter
+from flashspec.drafters.eagle3 import Eagle3Drafter
+from flashspec.drafters.expansion import candidates
 from flashspec.drafters.model import ModelDrafter
 from flashspec.drafters.ngram import NgramDrafter
 from flashspec.models.static import StaticLM
@@ -350,14 +354,17 @@ def pvalue(out, law: np.ndarray) -> float:
     return chi2_pvalue(observed, law.ravel())
 
 
-def sample(drafters, gammas, temperature, top_k, top_p, seed=1234, samples=SAMPLES):
-    """``samples`` continuations of PROMPT, generated as one batch, with the default thread count."""
+def sample(drafters, gammas, temperature, top_k, top_p, seed=1234, samples=SAMPLES, expand_first=None):
+    """``samples`` continuations of PROMPT, generated as one batch, with the default thread count;
+    ``expand_first``: the first drafter's expansion."""
     e = flashspec.SpeculativeEngine(TARGET, drafters, device="cpu")
+    expand = None if expand_first is None else {e.drafters[0].name: expand_first}
     before = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
         out = e.generate_tree([PROMPT] * samples, max_new_tokens=3, gammas=gammas, do_sample=True,
-                              temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=[], seed=seed)
+                              temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=[], seed=seed,
+                              expand=expand)
     finally:
         torch.set_num_threads(before)
     assert all(len(s) == 3 for s in out.sequences)
@@ -451,3 +458,233 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="architecture"):
         flashspec.SpeculativeEngine(tiny_model("gpt2", vocab_size=VOCAB), ["ngram"], device="cpu").generate_tree([[1]])
     assert e.generate_tree([[1, 2], [3]], max_new_tokens=0).sequences == [[], []]
+
+
+# ---------------------------------------------------------------------------------- top-k expansion
+@functools.cache
+def copy_head_folder(model: transformers.PreTrainedModel) -> str:
+    """A feature head whose draft law is the target's: ``fc`` passes the token's embedding through (the
+    feature times 0), then copies of the target's decoder layers; saved unquantised."""
+    folder = tempfile.mkdtemp(prefix="tree-copy-")
+    hidden = model.config.hidden_size
+    head = FeatureHead(model.config, model.config.num_hidden_layers)
+    with torch.no_grad():
+        head.fc.weight.copy_(torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1))
+        head.fc.bias.zero_()
+        for mine, theirs in zip(head.layers, model.model.layers):
+            mine.load_state_dict(theirs.state_dict())
+    save_drafter(head, model, folder, storage="same")
+    return folder
+
+
+# the expanded head: a random feature head (last layer; fused taps), the target as a feature head, an
+# EAGLE-3 head with a 48-token draft vocabulary
+EXPANDED = ["feature", "taps", "copy", "eagle3"]
+
+
+@functools.cache
+def expanding_engine(kind: str, others: tuple[str, ...] = ("ngram", "self")) -> flashspec.SpeculativeEngine:
+    """Drafters [the expanded head, then ``others`` of n-gram, a noisy copy and the target itself]."""
+    arch = "qwen2" if kind == "taps" else "llama"
+    model = target_model(arch)
+    head = {"feature": lambda: f"feature:{head_folder(model)}", "taps": lambda: f"feature:{head_folder(model, (0, 1))}",
+            "copy": lambda: f"feature:{copy_head_folder(model)}",
+            "eagle3": lambda: Eagle3Drafter(StaticLM(model), eagle3_head(model))}[kind]()
+    return flashspec.SpeculativeEngine(model, [head, *(drafter(arch, k) for k in others)], device="cpu")
+
+
+def arch_of(kind: str) -> str:
+    return "qwen2" if kind == "taps" else "llama"
+
+
+@pytest.mark.parametrize("layout", ["alone", "ragged"])
+@pytest.mark.parametrize("gammas, option", [([3, 2, 4], (3, 8)), ([1, 1, 1], (2, 2)), ([4, 2, 1], (4, 30))])
+@pytest.mark.parametrize("kind", EXPANDED)
+def test_greedy_with_expansions_equals_hf_generate(kind, gammas, option, layout):
+    """An expanded head beside the n-gram and the target itself, batch 1 and a ragged batch of 3: every
+    row is the target's own greedy continuation; the head proposes its ``nodes`` at every step, and the
+    target as a feature head has nodes accepted."""
+    e = expanding_engine(kind)
+    name = e.drafters[0].name
+    expand = {name: TreeExpansion(*option)}
+    if layout == "alone":
+        outs = [e.generate_tree([list(p)], max_new_tokens=NEW, gammas=gammas, expand=expand) for p in PROMPTS]
+        got, stats = [o.sequences[0] for o in outs], [o.stats for o in outs]
+    else:
+        out = e.generate_tree([list(p) for p in PROMPTS], max_new_tokens=NEW, gammas=gammas, expand=expand)
+        got, stats = out.sequences, [out.stats]
+    arch = arch_of(kind)
+    assert got == [hf_greedy(arch, p, NEW) for p in PROMPTS]
+    assert all(s.per_drafter[name].steps == s.steps and s.per_drafter[name].proposed == option[1] * s.row_steps
+               for s in stats)
+    assert all(list(s.per_arm) == [f"{name}@{gammas[0]}(top{option[0]},{option[1]})+ngram@{gammas[1]}+"
+                                   f"{e.drafters[2].name}@{gammas[2]}"] for s in stats)
+    if kind == "copy":
+        assert sum(s.per_drafter[name].accepted for s in stats) > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 3), depth=st.integers(1, 4), topk=st.integers(1, 4), pick=st.integers(0, 10**6),
+       max_new_tokens=st.integers(1, 10), seed=st.integers(0, 2**16))
+@example(batch=1, depth=1, topk=1, pick=0, max_new_tokens=4, seed=0)
+def test_any_expansion_gives_the_greedy_output(batch, depth, topk, pick, max_new_tokens, seed):
+    """Hypothesis over batch (1–3), depth (1–4), topk (1–4), any node budget they allow and
+    max_new_tokens (1–10), ragged random prompts, the target as an expanded feature head beside the
+    n-gram: every row is ``generate``'s greedy output, of exactly ``max_new_tokens`` tokens."""
+    nodes = 1 + pick % candidates(depth, topk)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [tuple(torch.randint(0, VOCAB, (int(n),), generator=generator).tolist())
+               for n in torch.randint(1, 9, (batch,), generator=generator)]
+    e = expanding_engine("copy", ("ngram",))
+    out = e.generate_tree([list(p) for p in prompts], max_new_tokens=max_new_tokens, gammas=[depth, 2],
+                          expand={e.drafters[0].name: (topk, nodes)})
+    assert out.sequences == [hf_greedy("llama", p, 12)[:max_new_tokens] for p in prompts]
+    assert all(len(s) == max_new_tokens for s in out.sequences)
+
+
+class ExpandLog:
+    """Records every expansion of one drafter class: the rows' lengths, which were active, the tree."""
+
+    def __init__(self, monkeypatch, cls=FeatureDrafter) -> None:
+        self.log: list = []
+        expand = cls.expand
+
+        def recording(drafter, history, depth, topk, nodes, params):
+            tree = expand(drafter, history, depth, topk, nodes, params)
+            self.log.append((history.length.clone(), history.active.clone(), tree))
+            return tree
+
+        monkeypatch.setattr(cls, "expand", recording)
+
+
+def deepest_paths(log: ExpandLog, committed) -> list[int]:
+    """Per step, summed over active rows: how many of the committed tokens form a path of the tree."""
+    counts = []
+    for (_, _, tree), step in zip(log.log, committed):
+        total = 0
+        for b, c in enumerate(step):
+            if c is None:
+                continue
+            node, depth = -1, 0
+            for token in c:
+                node = next((j for j in range(tree.tokens.shape[1]) if int(tree.parents[b, j]) == node
+                             and int(tree.tokens[b, j]) == token), None)
+                if node is None:
+                    break
+                depth += 1
+            total += depth
+        counts.append(total)
+    return counts
+
+
+@pytest.mark.parametrize("eos", [False, True])
+def test_expanded_counts_are_the_trees_would_be_accepted_length(eos, monkeypatch):
+    """Greedy: the expanded drafter's ``accepted`` equals a brute-force recount — per step and active
+    row, how many committed tokens form a path of its tree (also where an EOS cuts a step short) — and
+    at the first step it equals what its tree alone had accepted."""
+    arch, gammas, option = "llama", [3, 2, 2], (2, 5)
+    eos_id = hf_greedy(arch, PROMPTS[1], 24)[9] if eos else None
+    e = expanding_engine("copy", ("ngram", "noisy"))
+    name = e.drafters[0].name
+    log = ExpandLog(monkeypatch)
+    prompts = [list(p) for p in PROMPTS]
+    out = e.generate_tree(prompts, max_new_tokens=24, gammas=gammas, expand={name: option}, eos_token_id=eos_id)
+    assert out.sequences == [hf_greedy(arch, p, 24, eos_id) for p in PROMPTS]
+    committed = committed_per_step(log, prompts, out.sequences)
+    counts = deepest_paths(log, committed)
+    stats = out.stats.per_drafter[name]
+    assert stats.accepted == sum(counts) > 0 and len(counts) == stats.steps == out.stats.steps
+    assert stats.proposed == option[1] * sum(int(active.sum()) for _, active, _ in log.log)
+    if not eos:  # alone, from the same state: the first step's tree is the same
+        alone = expanding_engine("copy", ())
+        first = alone.generate_tree(prompts, max_new_tokens=24, gammas=gammas[:1],
+                                    expand={alone.drafters[0].name: option})
+        assert first.stats.step_log[0].accepted == counts[0]
+
+
+def test_sampled_tree_decoding_with_an_expansion_follows_the_target_law():
+    """χ² (10,000 samples): the target as a feature head expanded (depth 2, topk 3, 6 nodes: point
+    masses tested first) beside the n-gram (point masses, often the same tokens) and a noisy copy
+    (drawn), T = 0.7 with top-k and top-p."""
+    temperature, top_k, top_p = 0.7, 5, 0.9
+    out = sample([f"feature:{copy_head_folder(TARGET)}", "ngram", NOISY], [2, 2, 2], temperature, top_k, top_p,
+                 expand_first=TreeExpansion(3, 6))
+    p = pvalue(out, exact_law(temperature, top_k, top_p))
+    assert p > ALPHA, f"χ² p-value {p:.2e}: the output law differs from the target's"
+    per = out.stats.per_drafter
+    assert sum(s.accepted for s in per.values()) == out.stats.accepted
+    assert all(s.accepted > 0 for s in per.values())
+    assert 0 < out.stats.acceptance_rate < 1
+
+
+def test_expanded_nodes_tested_as_drawn_fail_the_test(monkeypatch):
+    """The χ² test has power on this path: the run above with the expanded nodes tested as if drawn
+    from a law (here the uniform one) instead of as point masses is rejected."""
+    right = tree_loop.step_tree
+
+    def wrong(parts, sample):
+        for part in parts:
+            if part.parents is not None:
+                part.laws = torch.full((*part.tokens.shape, V), 1.0 / V)
+        return right(parts, sample)
+
+    monkeypatch.setattr(tree_loop, "step_tree", wrong)
+    temperature, top_k, top_p = 0.7, 5, 0.9
+    out = sample([f"feature:{copy_head_folder(TARGET)}", "ngram", NOISY], [2, 2, 2], temperature, top_k, top_p,
+                 expand_first=TreeExpansion(3, 6), samples=3_000)
+    assert pvalue(out, exact_law(temperature, top_k, top_p)) < ALPHA
+
+
+def test_bad_expand_options_are_clear_errors():
+    e = expanding_engine("feature")
+    name = e.drafters[0].name
+    cases = [({"nope": (2, 2)}, [2, 1, 1], "'nope', which is not a drafter of this engine"),
+             ({"ngram": (2, 2)}, [2, 1, 1], "'ngram' cannot expand"),
+             ([(2, 2)], [2, 1, 1], "expand must map drafter names"),
+             ({name: 3}, [2, 1, 1], r"must be a TreeExpansion\(topk, nodes\) or a \(topk, nodes\) pair"),
+             ({name: (0, 2)}, [2, 1, 1], "topk must be an integer from 1 to 64; got 0"),
+             ({name: (2, 7)}, [2, 1, 1], "makes at most 6"),
+             ({name: (2, 2)}, "auto", "fixed gammas")]
+    for expand, gammas, message in cases:
+        with pytest.raises(ValueError, match=message):
+            e.generate_tree([[1, 2]], gammas=gammas, expand=expand)
+    small = expanding_engine("eagle3")
+    with pytest.raises(ValueError, match="draft vocabulary has 48 tokens"):
+        small.generate_tree([[1, 2]], gammas=[4, 1, 1], expand={small.drafters[0].name: (50, 50)})
+    assert e.generate_tree([[1, 2]], max_new_tokens=4, expand={}).sequences == [hf_greedy("llama", (1, 2), 4)]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("expanded", [False, True])
+def test_a_tree_step_reads_the_device_once(expanded, sampled, monkeypatch):
+    """Inside every tree step, one ``tolist`` (the step's read) and no other read of a tensor back to the
+    host: the trees are built unchecked, the drafters' outputs checked on the host. Drafters: a feature
+    head (expanded or as a chain), the n-gram and a noisy copy; a ragged batch."""
+    inside, per_step = [False], []
+
+    def counting(name, original):
+        def wrapper(self, *args, **kwargs):
+            if inside[0]:
+                per_step[-1][name] = per_step[-1].get(name, 0) + 1
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    step = tree_loop._TreeRun.tree_step
+
+    def observed(run):
+        inside[0] = True
+        per_step.append({})
+        try:
+            return step(run)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(tree_loop._TreeRun, "tree_step", observed)
+    e = expanding_engine("feature", ("ngram", "noisy"))
+    expand = {e.drafters[0].name: (3, 6)} if expanded else None
+    out = e.generate_tree([list(p) for p in PROMPTS], max_new_tokens=NEW, gammas=[2, 2, 3], expand=expand,
+                          do_sample=sampled, temperature=0.8, seed=3)
+    assert len(per_step) == out.stats.steps > 1
+    assert all(reads == {"tolist": 1} for reads in per_step), per_step

@@ -16,8 +16,10 @@ kept on the engine as ``engine.tree_budget`` (SPEC.md §7, "Choosing the tree's 
 information").
 
 Drafters that read the target's features (feature heads, EAGLE-3) take part: the tree forward and
-the commit write the committed positions' features as the chain loop's scoring forward does.
-Early-exit and shallow drafters, which draft inside the target's own cache, are refused.
+the commit write the committed positions' features as the chain loop's scoring forward does. With
+``expand`` such a drafter's part is an EAGLE-2 top-k expansion instead of its chain (SPEC.md §7,
+"Top-k expansion of a feature drafter"). Early-exit and shallow drafters, which draft inside the
+target's own cache, are refused.
 
 Eager PyTorch only; the loop reads the device once per step (stop flag, faults, statistics).
 """
@@ -25,27 +27,29 @@ Eager PyTorch only; the loop reads the device once per step (stop flag, faults, 
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..draft_tree import DraftTree, TreeVerifyResult, tree_from_chains, verify_tree
+from ..draft_tree import DraftTree, verify_tree
 from ..drafters.base import Drafter, Growth, History, ReadsFeatures
+from ..drafters.expansion import TreeExpansion
 from ..drafters.feature import FeatureDrafter
 from ..models.static import StaticLM
 from ..models.tree import commit_path, tree_forward
 from ..select.tree_budget import Allocation, TreeBudget
 from ..stats import DrafterStats, GenerationOutput, GenerationStats, StepRecord
-from ..verify import VerifyResult
 from .commit import commit_step, note_fault
 from .loop import _Run
 from .request import MAX_DRAFT_TOKENS, Request
+from .tree_build import Part, check_expand, expanded_part, greedy_tree, part_counts, sampled_tree, step_tree
 from .workspace import Plan, raise_fault
 
 AUTO = "auto"  # gammas="auto": the engine's TreeBudget chooses each step's draft lengths
 
-__all__ = ["AUTO", "check_tree_engine", "decode_tree", "sampled_tree", "shares_target_cache", "tree_budget"]
+__all__ = ["AUTO", "check_tree_engine", "decode_tree", "greedy_tree", "sampled_tree", "shares_target_cache",
+           "tree_budget"]
 
 
 def check_tree_engine(engine: Any, gammas: Sequence[int] | str | None, num_draft_tokens: int) -> list[int]:
@@ -105,46 +109,13 @@ def tree_budget(engine: Any, gamma_max: Sequence[int]) -> TreeBudget:
     return budget
 
 
-def sampled_tree(chains: list[torch.Tensor], laws: list[torch.Tensor | None]) -> DraftTree:
-    """The tree of a sampled step: each drafter's chain ``[B, γ_i]`` its own branch from the root, in
-    drafter order, with the law each token was drawn from (``laws[i] [B, γ_i, V]``), or as point
-    masses where the drafter gives none (n-gram, datastore). Drawn siblings are never merged: a
-    repeated token is tested against the residual (SPEC.md §2, "Duplicates")."""
-    tokens = torch.cat(chains, dim=1)
-    batch, device = tokens.shape[0], tokens.device
-    parents: list[int] = []
-    for chain in chains:  # node first + d's parent is node first + d - 1, the root for d = 0
-        first = len(parents)
-        parents += [-1] + list(range(first, first + chain.shape[1] - 1))
-    parents_t = torch.tensor(parents, dtype=torch.long, device=device).expand(batch, -1).contiguous()
-    given = [q for q in laws if q is not None]
-    if not given:
-        return DraftTree(tokens, parents_t)
-    vocab = given[0].shape[-1]
-    full = [q.float() if q is not None else torch.zeros(batch, c.shape[1], vocab, device=device)
-            for c, q in zip(chains, laws)]
-    drawn = [torch.full(c.shape, q is not None, dtype=torch.bool, device=device) for c, q in zip(chains, laws)]
-    return DraftTree(tokens, parents_t, torch.cat(full, dim=1), torch.cat(drawn, dim=1))
-
-
-def greedy_tree(chains: list[torch.Tensor]) -> DraftTree:
-    """The tree of a greedy step: the chains (point masses) merged where they agree
-    (:func:`~flashspec.draft_tree.tree_from_chains`; chain ``i``'s token ``d`` is node ``i·L + d``,
-    ``L`` the longest γ)."""
-    depth = max(c.shape[1] for c in chains)
-    if all(c.shape[1] == depth for c in chains):
-        return tree_from_chains(torch.stack(chains, dim=1))
-    padded = torch.stack([torch.nn.functional.pad(c, (0, depth - c.shape[1])) for c in chains], dim=1)
-    lengths = torch.tensor([c.shape[1] for c in chains], device=padded.device).expand(padded.shape[0], -1)
-    return tree_from_chains(padded, lengths)
-
-
 @torch.inference_mode()
 def decode_tree(
     engine: Any,
     input_ids: Any,
     *,
     gammas: Sequence[int] | str | None = None,
+    expand: Mapping[str, TreeExpansion | tuple[int, int]] | None = None,
     attention_mask: Any = None,
     max_new_tokens: int = 32,
     do_sample: bool = False,
@@ -159,7 +130,9 @@ def decode_tree(
     """Generate up to ``max_new_tokens`` per row with one draft tree per step made of the drafters'
     chains, verified exactly. ``gammas``: one draft length per drafter (default: the engine's), or
     ``"auto"``: chosen before each step by ``engine.tree_budget`` for ``context`` (a hashable label;
-    None: one shared context). The prompt and the other keywords are ``generate``'s.
+    None: one shared context). ``expand``: ``{drafter name: TreeExpansion(topk, nodes)}`` for feature
+    and EAGLE-3 heads whose part is a top-k expansion of depth γ instead of a chain (SPEC.md §7). The
+    prompt and the other keywords are ``generate``'s.
     ``stats.per_drafter[name].accepted`` counts the tokens of that drafter's branch on each step's
     committed path (greedy: exactly what its chain alone would have had committed; SPEC.md §7);
     ``stats.per_arm`` and ``stats.step_log`` are keyed by the step's allocation (``"ngram@3+noisy@0"``;
@@ -171,17 +144,18 @@ def decode_tree(
                            sync_every=None, context=context)
     auto = isinstance(gammas, str) and gammas == AUTO
     gammas = check_tree_engine(engine, gammas, request.num_draft_tokens)
+    expansions = check_expand(engine.drafters, expand, None if auto else gammas)
     budget = tree_budget(engine, gammas) if auto else None
     deepest = max(budget.gamma_max) if budget is not None else max(gammas)
     stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in engine.drafters})
     if budget is None:
-        stats.per_arm[_label(engine.drafters, tuple(gammas))] = DrafterStats()
+        stats.per_arm[_label(engine.drafters, tuple(gammas), expansions)] = DrafterStats()
     sequences: list[list[int]] = [[] for _ in request.rows]
     if request.max_new_tokens > 0:
         # Room past the longest row for the deepest branch (the engine adds its arms' γ + 2).
         plan = engine.plan(rows=len(request.rows), length=request.longest + request.max_new_tokens + deepest,
                            num_draft_tokens=request.num_draft_tokens, num_eos=len(request.eos))
-        run = _TreeRun(plan, request, stats, tuple(gammas), budget)
+        run = _TreeRun(plan, request, stats, tuple(gammas), budget, expansions)
         start = time.perf_counter()
         run.prefill()
         stats.prefill_seconds = time.perf_counter() - start
@@ -202,11 +176,13 @@ def decode_tree(
     return GenerationOutput(sequences, stats, text)
 
 
-def _label(drafters: Sequence[Drafter], allocation: Allocation) -> str:
-    """``"ngram@3+noisy@0"``; ``"target@0"`` for a target-only step."""
+def _label(drafters: Sequence[Drafter], allocation: Allocation, expansions: Mapping[int, TreeExpansion]) -> str:
+    """``"ngram@3+noisy@0"``, ``"feature@4(top3,12)"`` for an expansion; ``"target@0"`` for a
+    target-only step."""
     if not any(allocation):
         return "target@0"
-    return "+".join(f"{d.name}@{g}" for d, g in zip(drafters, allocation))
+    return "+".join(f"{d.name}@{g}" + (f"(top{expansions[i].topk},{expansions[i].nodes})" if i in expansions else "")
+                    for i, (d, g) in enumerate(zip(drafters, allocation)))
 
 
 class _TreeRun(_Run):
@@ -214,12 +190,13 @@ class _TreeRun(_Run):
     with a tree step in place of its select → propose → score → verify → commit step."""
 
     def __init__(self, plan: Plan, request: Request, stats: GenerationStats, gammas: Allocation,
-                 budget: TreeBudget | None) -> None:
+                 budget: TreeBudget | None, expansions: dict[int, TreeExpansion]) -> None:
         super().__init__(plan, request, stats)
         self.gammas, self.budget = gammas, budget  # fixed draft lengths, or a budget choosing them
-        # Per step: drafting uniforms [B, N] (drafter i at its offset), then verification [B, N + 1];
-        # for one drafter this is the chain loop's layout, drawn from the same generator. One buffer
-        # per node count N.
+        self.expansions = expansions  # the drafters whose part is a top-k expansion
+        # Per step: drafting uniforms [B, Σγ] (drafter i at its offset), then verification [B, T + 1]
+        # for a tree of T nodes (T = Σγ without expansions: for one drafter the chain loop's layout),
+        # drawn from the same generator. One buffer per width.
         self.random: dict[int, torch.Tensor] = {}
         # Per drafter, how far a row may have grown past what its cache holds (its catch-up window,
         # SPEC.md §4): the committed tokens may come from another drafter's branch, or from steps it
@@ -243,25 +220,34 @@ class _TreeRun(_Run):
         allocation = self._allocation()
         started = time.perf_counter()
         ws, params, active = self.ws, self.params, self.active
-        nodes, depth = sum(allocation), max(allocation)
-        if nodes not in self.random:
-            self.random[nodes] = torch.zeros(self.batch, 2 * nodes + 1, dtype=torch.float64, device=self.tokens.device)
-        random = self.random[nodes].uniform_(generator=self.rng)
-        chains, laws, offsets, ran = [], [], [], []
+        drafts, depth = sum(allocation), max(allocation)
+        sizes = [self.expansions[i].nodes if i in self.expansions else k for i, k in enumerate(allocation) if k]
+        nodes = sum(sizes)  # the tree's
+        width = drafts + nodes + 1
+        if width not in self.random:
+            self.random[width] = torch.zeros(self.batch, width, dtype=torch.float64, device=self.tokens.device)
+        random = self.random[width].uniform_(generator=self.rng)
+        parts, offsets, ran = [], [], []
         drafting = [0.0] * len(allocation)
         for i, (drafter, k, growth) in enumerate(zip(self.plan.drafters, allocation, self.growths)):
             if not k:
                 continue
             began, offset = time.perf_counter(), sum(allocation[:i])
             history = History(self.tokens, self.length, active, self.max_length, ws.hidden, growth)
-            draft = drafter.propose(history, k, params, random[:, offset : offset + k])
-            self._check_draft(drafter, draft, k)
-            tokens = draft.tokens.long()
-            outside = (tokens < 0) | (tokens >= self.vocab_size)  # noted, raised after the step, staged as 0
+            if i in self.expansions:
+                expansion = self.expansions[i]
+                tree = drafter.expand(history, k, expansion.topk, expansion.nodes, params)
+                self._check_draft(drafter, tree, expansion.nodes)
+                part = expanded_part(drafter.name, tree, k)
+            else:
+                draft = drafter.propose(history, k, params, random[:, offset : offset + k])
+                self._check_draft(drafter, draft, k)
+                part = Part(draft.tokens.long(), draft.probs if params.do_sample else None)
+            outside = (part.tokens < 0) | (part.tokens >= self.vocab_size)  # noted, raised after the step, staged as 0
             note_fault(ws.fault, outside.any(dim=1) & active, 3, ws.steps_taken)
-            chains.append(tokens.masked_fill(outside, 0))
-            laws.append(draft.probs if params.do_sample else None)
-            offsets.append(offset)
+            part.tokens = part.tokens.masked_fill(outside, 0)
+            parts.append(part)
+            offsets.append(sum(p.nodes for p in parts[:-1]))
             ran.append(i)
             drafting[i] = time.perf_counter() - began
         # A drafter's cache holds the committed tokens of this step only as far as they equal its own
@@ -270,7 +256,8 @@ class _TreeRun(_Run):
         # chain loop (2 unseen tokens), then what the drafter may not have fed beyond those 2 (for a
         # drafter left out, nothing: the step's own count already bounds what it missed). A feature
         # drafter re-feeds every position committed since its last proposal (the first count bounds
-        # them), with the target's features that tree_forward (root) and commit_path (kept nodes) wrote.
+        # them), with the target's features that tree_forward (root) and commit_path (kept nodes) wrote;
+        # an expanding one fed none of the step's tokens (part_counts counts them all in the second).
         for growth in self.growths:
             growth.launched(depth)
             growth.launched(max(depth - 2, -1))
@@ -278,14 +265,14 @@ class _TreeRun(_Run):
 
         before = self.length.clone()
         if nodes:
-            tree = sampled_tree(chains, laws) if params.do_sample else greedy_tree(chains)
+            tree = self._tree(parts)
             start = self.length - 1
             pending = self.tokens.gather(1, start[:, None])
             # The target's features where drafters read them (SPEC.md §11): the root's written at
             # `start`, the nodes' kept until commit_path copies the kept path's, as a chain step writes them.
             logits, scratch = tree_forward(self.plan.target, torch.cat([pending, tree.tokens], dim=1), tree.parents,
                                            start, tree.present, check=False, **self._features)
-            result = verify_tree(logits, tree, params, random[:, nodes:])
+            result = verify_tree(logits, tree, params, random[:, drafts:])
             commit_path(self.plan.target, scratch, result.path, result.num_accepted, start)
         else:  # the chain loop's target-only step: one forward over the pending token
             logits = self._score(0)
@@ -295,12 +282,12 @@ class _TreeRun(_Run):
                     result.num_accepted, ws.log, ws.steps_taken, logits, ws.fault)
         taken = self.length - before  # tokens committed to each row (0: it was not active)
         kept = torch.minimum(result.num_accepted, taken)  # drafts committed
-        lengths, unseen = self._branch_counts(chains, offsets, result, taken)
+        lengths, unseen = part_counts(parts, offsets, result, taken, params.do_sample)
         flags = torch.stack([self.active.any().long(), rows, taken.sum(), kept.sum()])
-        parts = [ws.fault, flags, lengths.clamp(min=0).sum(dim=1), unseen]
+        reads = [ws.fault, flags, lengths.clamp(min=0).sum(dim=1), unseen]
         if self.budget is not None:
-            parts += [lengths.flatten(), taken]
-        values = torch.cat(parts).tolist()  # the step's one read
+            reads += [lengths.flatten(), taken]
+        values = torch.cat(reads).tolist()  # the step's one read
         raise_fault(values[:3])
         running, rows_read, committed, accepted = values[3:7]
         counts, missed = values[7 : 7 + len(ran)], dict(zip(ran, values[7 + len(ran) : 7 + 2 * len(ran)]))
@@ -308,7 +295,7 @@ class _TreeRun(_Run):
             growth.polled(committed)
             growth.polled(max(missed.get(i, 0) - 2, 0))
         seconds = time.perf_counter() - started
-        self._update(allocation, rows_read, committed, accepted, dict(zip(ran, counts)), seconds)
+        self._update(allocation, sizes, rows_read, committed, accepted, dict(zip(ran, counts)), seconds)
         if self.budget is not None and rows_read:
             rest = values[7 + 2 * len(ran) :]
             per_row = dict(zip(ran, (rest[j * self.batch : (j + 1) * self.batch] for j in range(len(ran)))))
@@ -319,41 +306,23 @@ class _TreeRun(_Run):
             self.stats.selector_seconds += time.perf_counter() - began
         return bool(running)
 
-    def _branch_counts(self, chains: list[torch.Tensor], offsets: list[int], result: TreeVerifyResult | VerifyResult,
-                       taken: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per drafter that ran: per row, its branch's tokens on the committed path (``[M, B]``; −1
-        where its branch was never tested), and the most committed tokens of a row that its cache
-        lacks. Greedy counts the longest prefix of its chain equal to the committed tokens: what its
-        chain alone would have had committed (equal chains are one branch, so each drafter counts its
-        own prefix); sampling counts its branch's kept nodes that were committed, in the rows where
-        its first node was tested (no earlier branch kept: the walk tests the root's children in
-        order). Its cache holds that prefix (as far as it fed it: all but the last draft)."""
-        device = taken.device
-        if not chains:
-            return torch.zeros(0, taken.shape[0], dtype=torch.long, device=device), taken.new_zeros(0)
-        lengths, unseen = [], []
-        for chain, offset in zip(chains, offsets):
-            k = chain.shape[1]
-            column = torch.arange(k, device=device)
-            match = (chain == result.tokens[:, :k]) & (column < taken[:, None])
-            prefix = match.long().cumprod(dim=1).sum(dim=1)
-            unseen.append((taken - prefix.clamp(max=k - 1)).max())
-            if self.params.do_sample:
-                slot = torch.arange(result.path.shape[1], device=device)
-                mine = (result.path >= offset) & (result.path < offset + k) & (slot < taken[:, None])
-                tested = (result.num_accepted == 0) | (result.path[:, 0] >= offset)
-                lengths.append(torch.where(tested, mine.sum(dim=1), -1))
-            else:
-                lengths.append(prefix)
-        return torch.stack(lengths), torch.stack(unseen)
+    def _tree(self, parts: list[Part]) -> DraftTree:
+        """The step's tree: chains alone through :func:`sampled_tree` or :func:`greedy_tree`, with an
+        expansion through :func:`step_tree` (SPEC.md §7)."""
+        if any(p.parents is not None for p in parts):
+            return step_tree(parts, self.params.do_sample)
+        if self.params.do_sample:
+            return sampled_tree([p.tokens for p in parts], [p.laws for p in parts])
+        return greedy_tree([p.tokens for p in parts])
 
-    def _update(self, allocation: Allocation, rows: int, committed: int, accepted: int,
+    def _update(self, allocation: Allocation, sizes: list[int], rows: int, committed: int, accepted: int,
                 per_drafter: dict[int, int], seconds: float) -> None:
-        """The step into the statistics (a step after every row finished is not counted)."""
+        """The step into the statistics (a step after every row finished is not counted); ``sizes``:
+        the nodes of each drafter that ran."""
         if rows == 0:
             return
-        stats, nodes = self.stats, sum(allocation)
-        label = _label(self.plan.drafters, allocation)
+        stats, nodes = self.stats, sum(sizes)
+        label = _label(self.plan.drafters, allocation, self.expansions)
         stats.step_log.append(StepRecord(label if nodes else None, accepted, rows, committed, seconds))
         stats.steps += 1
         stats.row_steps += rows
@@ -362,8 +331,8 @@ class _TreeRun(_Run):
         stats.accepted += accepted
         arm = stats.per_arm.setdefault(label, DrafterStats())
         arm.steps, arm.proposed, arm.accepted = arm.steps + 1, arm.proposed + nodes * rows, arm.accepted + accepted
-        for i, count in per_drafter.items():
+        for (i, count), size in zip(per_drafter.items(), sizes):
             per = stats.per_drafter[self.plan.drafters[i].name]
             per.steps += 1
-            per.proposed += allocation[i] * rows
+            per.proposed += size * rows
             per.accepted += count
