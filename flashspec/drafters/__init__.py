@@ -1,9 +1,9 @@
 """Drafters: objects that propose tokens for the target to verify (SPEC.md §4, §11).
 
 The contract is :class:`Drafter` (``name``, ``begin``, ``propose``); optional capabilities are the
-protocols :class:`CatchesUp`, :class:`JoinsRows`, :class:`CapturesJoins`, :class:`ReadsFeatures`
-and :class:`TimesForwards`. :func:`~flashspec.drafters.specs.make_drafter` turns the names the
-engine, the command line and the server take into drafters.
+protocols :class:`CatchesUp`, :class:`JoinsRows`, :class:`CapturesJoins`, :class:`ReadsFeatures`,
+:class:`TimesForwards` and :class:`DraftsInChunks`. :func:`~flashspec.drafters.specs.make_drafter`
+turns the names the engine, the command line and the server take into drafters.
 """
 
 from .base import (
@@ -11,6 +11,7 @@ from .base import (
            CatchesUp,
            Draft,
            Drafter,
+           DraftsInChunks,
            History,
            JoinsRows,
            ReadsFeatures,
@@ -23,6 +24,6 @@ from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .shallow import ShallowDrafter, ShallowHead
 
-__all__ = ["CapturesJoins", "CatchesUp", "DatastoreDrafter", "Draft", "Drafter", "EarlyExitDrafter", "FeatureDrafter",
-           "FeatureHead", "History", "JoinsRows", "ModelDrafter", "NgramDrafter", "ReadsFeatures", "ShallowDrafter",
-           "ShallowHead", "TimesForwards"]
+__all__ = ["CapturesJoins", "CatchesUp", "DatastoreDrafter", "Draft", "Drafter", "DraftsInChunks", "EarlyExitDrafter",
+           "FeatureDrafter", "FeatureHead", "History", "JoinsRows", "ModelDrafter", "NgramDrafter", "ReadsFeatures",
+           "ShallowDrafter", "ShallowHead", "TimesForwards"]
