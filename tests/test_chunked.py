@@ -227,6 +227,16 @@ def test_greedy_chunked_equals_hf_generate(arch, drafter, gamma, size):
         assert 0 < out.stats.acceptance_rate < 1  # rows stop inside chunks and go on past them
 
 
+def test_compiled_forwards_in_chunks_equal_hf_generate():
+    """``compile=True`` (the static cache's compiled decode forwards, at the chunks' widths) with
+    chunks of 2 at γ = 5: the target's greedy output."""
+    engine = _engine("llama", "model", 2, compile=True)
+    out = engine.generate([list(p) for p in greedy.PROMPTS], max_new_tokens=greedy.NEW_TOKENS, num_draft_tokens=5,
+                          eos_token_id=[])
+    assert out.sequences == [greedy.hf_greedy("llama", p, greedy.NEW_TOKENS) for p in greedy.PROMPTS]
+    assert 0 < out.stats.acceptance_rate < 1
+
+
 @pytest.mark.parametrize("acceptance", ["token", "block"])
 def test_greedy_with_eos_and_short_budgets(acceptance):
     """Rows that stop at an EOS or at their budget inside a chunked step (block acceptance too)."""
