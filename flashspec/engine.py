@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .checks import check_flag, check_int
+from .decode.chunks import check_chunking
 from .decode.commit import commit_step, stage_drafts
 from .decode.loop import decode
 from .decode.request import MAX_TOKENS_WITHOUT_WINDOW, Request, parse_engine_options, parse_request
@@ -113,6 +114,7 @@ class SpeculativeEngine:
             shapes are fixed a call of ``B`` prompts runs over ``2^⌈log₂ B⌉`` rows.
         acceptance: ``"token"`` (default: each draft tested alone, SPEC.md §2 step 4) or ``"block"``
             (the drafted block verified jointly: the same law, never fewer drafts kept in expectation).
+        block_size: None (default) or the drafts per chunk, each scored while the next is drafted (SPEC.md §2).
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class SpeculativeEngine:
         warmup: bool | None = None,
         warmup_batch_sizes: Sequence[int] = (1,),
         acceptance: str = "token",
+        block_size: int | None = None,
     ) -> None:
         self.acceptance = check_acceptance(acceptance)
         check_flag("reuse_shallow", reuse_shallow)
@@ -149,12 +152,13 @@ class SpeculativeEngine:
         self.reuse_shallow = reuse_shallow
         options = parse_engine_options(
             drafters=drafters, gammas=gammas, selector_options=selector_options, share_selector=share_selector,
-            tokenizer=tokenizer, device=device, dtype=dtype, compile=compile)
+            tokenizer=tokenizer, device=device, dtype=dtype, compile=compile, block_size=block_size)
         self.device, self.compile = options.device, options.compile
         self.target, self.tokenizer, self._no_tokenizer = load_target(target, tokenizer, self.device, options.dtype)
         # Tensor parallelism (flashspec.models.parallel, SPEC.md §9): every rank runs this same loop;
         # the few places that must agree across ranks check self._tp.
         self._tp = tensor_parallel_of(self.target)
+        self.block_size = check_chunking(options.block_size, tensor_parallel=self._tp, reuse_shallow=reuse_shallow)
         self.vocab_size: int = self.target.config.vocab_size
         self._target_lm = make_lm(self.target, compile=self.compile)  # drafters made from the target use it
         if bit_exact:
@@ -362,13 +366,11 @@ class SpeculativeEngine:
 
     def generate_tree(self, input_ids: Any, *, gammas: Sequence[int] | str | None = None,
                       expand: Mapping[str, Any] | None = None, **options: Any) -> GenerationOutput:
-        """Decode with one draft tree per step made of every drafter's chain (``gammas``: one γ per
-        drafter, or ``"auto"``: chosen each step for ``context`` by :attr:`tree_budget`), verified
-        exactly in one target forward; ``expand={name: TreeExpansion(topk, nodes)}`` makes a feature
-        or EAGLE-3 head's part an EAGLE-2 top-k expansion of depth γ instead of its chain.
-        ``options`` are :meth:`generate`'s but ``progress`` and ``sync_every``. Each drafter's
-        ``stats.per_drafter`` counts its branch's tokens on every committed path (SPEC.md §7, "Draft
-        trees in the decode loop", "Top-k expansion", "Choosing the tree's node budget")."""
+        """Decode with one draft tree per step of every drafter's chain (``gammas``: one γ per drafter, or
+        ``"auto"``: chosen per step for ``context`` by :attr:`tree_budget`), verified exactly in one target
+        forward; ``expand={name: TreeExpansion(topk, nodes)}``: a feature or EAGLE-3 head's part is an
+        EAGLE-2 top-k expansion of depth γ. ``options``: :meth:`generate`'s but ``progress`` and
+        ``sync_every``; ``stats.per_drafter`` counts each branch's committed tokens (SPEC.md §7)."""
         with self.session():
             return decode_tree(self, input_ids, gammas=gammas, expand=expand, **options)
 
@@ -451,6 +453,7 @@ class SpeculativeEngine:
             tp=None if running_batch else self._tp,
             queue_ahead=self.queue_ahead and not running_batch,
             acceptance=self.acceptance,
+            block_size=self.block_size,
         )
 
     def new_guard(self, gammas: Sequence[int]) -> Guard | None:

@@ -121,6 +121,20 @@ def test_compiled_feature_proposals_in_graphs_match_hf_generate_float32(arch, dr
         assert engine.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=gamma, eos_token_id=[]).sequences == expected
 
 
+@pytest.mark.parametrize("drafter", ["model", "feature", "ngram"])
+@pytest.mark.parametrize("gamma,size", [(4, 1), (5, 2), (4, 4)])
+def test_chunked_drafting_on_cuda_matches_hf_generate_float32(drafter, gamma, size):
+    """SPEC.md §2, "Chunked drafting", on CUDA: chunks drafted on a side stream while the target
+    scores the chunk before on the current one, every chunk run (no read of the device); greedy
+    output equals ``model.generate`` (float32), at batch 3 and 12, twice over."""
+    target = tiny("llama", 0)
+    engine = SpeculativeEngine(target, drafters_for(drafter, target), block_size=size, warmup=False)
+    expected = [hf_greedy(target, p, 24) for p in PROMPTS]
+    for prompts in (PROMPTS, PROMPTS * 4, PROMPTS):
+        out = engine.generate(prompts, max_new_tokens=24, num_draft_tokens=gamma, eos_token_id=[])
+        assert out.sequences == expected * (len(prompts) // len(PROMPTS))
+
+
 def test_warmed_graphs_replay_once_right_after_capture():
     """Graphs.run(warm=True) replays a new graph once after capturing it (its first replay costs
     more than later ones, SPEC.md §7), and run_widths warms every other width, the asked one

@@ -30,6 +30,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--acceptance", default="token",
                    help="comma-separated acceptance rules, each measured beside the others: token (each draft "
                         "tested alone), block (the drafted block verified jointly, SPEC.md §2)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="every arm drafts, scores and verifies its drafts in chunks of this many (SPEC.md §2, "
+                        "chunked drafting); default: in one piece")
     p.add_argument("--tree", action="store_true",
                    help="also, per γ, every drafter's chain in one draft tree per step (generate_tree, SPEC.md §7)")
     p.add_argument("--styles", default=None,
@@ -61,7 +64,8 @@ def command(args: argparse.Namespace) -> None:
     gammas = comma_gammas(args.gammas)
     styles = comma_list(acceptance_styles(args))
     rules = comma_list(args.acceptance)
-    options = {"batch": args.batch, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    options = {"batch": args.batch, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+               "block_size": args.block_size}
     drafts = args.draft or ["ngram"]  # checked with a stand-in before the demo download
     check_options(drafters=[drafter_name(d) for d in drafts], gammas=gammas, styles=styles,
                   prompts_per_domain=args.prompts_per_domain, prompt_tokens=args.prompt_tokens,

@@ -60,6 +60,9 @@ def summarize(results: dict[str, Any]) -> str:
               f"from {_source(s)}; one fixed arm per drafter × γ; EOS {s['eos']}.")]
     if s.get("target"):
         lines.append(f"Target: {s['target']}; drafters: {', '.join(s['drafters'])}.")
+    if s.get("block_size"):
+        lines.append(f"Every arm's drafts drafted, scored and verified in chunks of {s['block_size']} (SPEC.md §2, "
+                     "\"Chunked drafting\"); the tree arms in one piece.")
     if s.get("tree"):
         lines.append("`tree@γ`: every drafter's chain of γ tokens in one draft tree per step, verified in one target "
                      "forward (`generate_tree`); α is over all its nodes.")

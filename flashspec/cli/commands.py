@@ -17,6 +17,7 @@ from .options import (
     add_sampling,
     add_target,
     add_tokenizer,
+    check_block_size_flag,
 )
 
 __all__ = ["add_parsers"]
@@ -167,7 +168,7 @@ def _load_pair(target: str, drafts: list[str], tokenizer: str | None, args: argp
                                           dtype=DTYPES[args.dtype] if args.dtype else None,
                                           gammas=None if gamma is None else [gamma],
                                           use_cache=not args.no_calibration_cache, bit_exact=args.bit_exact,
-                                          acceptance=args.acceptance)
+                                          acceptance=args.acceptance, block_size=args.block_size)
     print(engine.choice.explain())
     print()
     baseline = SpeculativeEngine(engine.target, [], tokenizer=engine.tokenizer, bit_exact=args.bit_exact)
@@ -190,6 +191,7 @@ def _sampling_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.repeats is not None and args.repeats < 1:
         raise ValueError(f"--repeats is how many speculative / target-only pairs to time: at least 1; "
                          f"got {args.repeats}.")
+    check_block_size_flag(args)
     if args.num_draft_tokens is not None and not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"--num-draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}; got {args.num_draft_tokens}.")
     if args.bit_exact:  # before minutes of calibration on a machine where the mode cannot run (SPEC.md §14)

@@ -6,8 +6,8 @@ import argparse
 
 from ..models.loading import DTYPES
 
-__all__ = ["add_acceptance", "add_compile", "add_device", "add_drafts", "add_progress", "add_sampling", "add_target",
-           "add_tokenizer"]
+__all__ = ["add_acceptance", "add_block_size", "add_compile", "add_device", "add_drafts", "add_progress",
+           "add_sampling", "add_target", "add_tokenizer", "check_block_size_flag"]
 
 MODEL = "folder, hub id or .gguf file"
 DRAFTERS = ("drafter: folder, hub id, .gguf file, 'ngram', 'early-exit:N', 'feature:DIR' or 'shallow:DIR' "
@@ -56,6 +56,19 @@ def add_acceptance(p: argparse.ArgumentParser) -> None:
                         "(the same output law, never fewer drafts kept in expectation)")
 
 
+def add_block_size(p: argparse.ArgumentParser) -> None:
+    """``--block-size``: chunked drafting (SPEC.md §2)."""
+    p.add_argument("--block-size", type=int, default=None,
+                   help="draft, score and verify each step's drafts in chunks of this many (1 to 64), the target "
+                        "scoring a chunk while the drafter drafts the next; default: one piece")
+
+
+def check_block_size_flag(args: argparse.Namespace) -> None:
+    """``--block-size`` from 1 to 64 (or absent), checked before any model loads."""
+    if getattr(args, "block_size", None) is not None and not 1 <= args.block_size <= 64:
+        raise ValueError(f"--block-size must be from 1 to 64 (drafts per chunk); got {args.block_size}.")
+
+
 def add_sampling(p: argparse.ArgumentParser) -> None:
     """The sampling, draft-length and timing flags of ``generate`` and ``demo``."""
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -66,6 +79,7 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
                    help="tokens drafted per step (default: chosen per drafter by timing its steps here)")
     p.add_argument("--seed", type=int, default=None)
     add_acceptance(p)
+    add_block_size(p)
     add_device(p, dtype_help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16 here "
                              "(timed once)")
     p.add_argument("--no-calibration-cache", action="store_true",

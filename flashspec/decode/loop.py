@@ -35,7 +35,9 @@ from ..sampling import SamplingParams
 from ..select import Observation
 from ..stats import GenerationStats, StepRecord
 from ..verify import VerifyResult, verify
+from .chunks import chunked, chunked_step
 from .commit import commit_tokens
+from .drafts import check_draft
 from .request import Request
 from .workspace import FAULTS, Plan, raise_fault
 
@@ -199,9 +201,13 @@ class _Run:
         self.clock.mark()
         events = compile_events()
         arm, k = self._select()
-        has_probs = self._propose(arm, k)
-        reuse = self.states_layer
-        self.plan.graphs.run(self.graph_key(k, has_probs, reuse), lambda: self._score_verify_commit(k, has_probs, reuse))
+        if chunked(self.plan.block_size, k):  # drafted, scored and verified in chunks (SPEC.md §2)
+            chunked_step(self, arm, k)
+        else:
+            has_probs = self._propose(arm, k)
+            reuse = self.states_layer
+            self.plan.graphs.run(self.graph_key(k, has_probs, reuse),
+                                 lambda: self._score_verify_commit(k, has_probs, reuse))
         self.chosen.append(arm)
         self.proposed.append(k)
         self.caught_up.append(self._catching_up)
@@ -296,39 +302,7 @@ class _Run:
 
     def _check_draft(self, drafter: Drafter, draft: Any, k: int) -> None:
         """A drafter's output has the protocol's shapes (checked on the host: no device read)."""
-        tokens, probs = getattr(draft, "tokens", None), getattr(draft, "probs", None)
-        where = f"Drafter {getattr(drafter, 'name', drafter)!r} returned"
-        if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != (self.batch, k):
-            shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-            raise ValueError(f"{where} draft tokens of shape {shape}; the protocol asks for [{self.batch}, {k}] "
-                             "(Draft(tokens [B, k], probs [B, k, V] or None)).")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise ValueError(f"{where} {tokens.dtype} draft tokens; token ids are integers.")
-        if tokens.device != self.tokens.device:
-            raise ValueError(f"{where} draft tokens on {tokens.device}; the target is on {self.tokens.device}.")
-        if probs is not None and (not isinstance(probs, torch.Tensor)
-                                  or tuple(probs.shape) != (self.batch, k, self.vocab_size)
-                                  or not probs.dtype.is_floating_point or probs.device != self.tokens.device):
-            shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
-            raise ValueError(f"{where} draft probabilities of shape {shape}; the protocol asks for a float "
-                             f"[{self.batch}, {k}, {self.vocab_size}] tensor on {self.tokens.device}, or None.")
-        states, layer = getattr(draft, "states", None), getattr(draft, "states_layer", None)
-        if states is None:
-            return
-        target = self.plan.target
-        if not hasattr(target, "keys"):
-            raise ValueError(f"{where} states for the verify to reuse, but the target does not run over "
-                             "FlashSpec's static cache, whose entries a drafter can write.")
-        hidden, layers = target.model.config.hidden_size, len(target.base.layers)
-        if (not isinstance(states, torch.Tensor) or tuple(states.shape) != (self.batch, k, hidden)
-                or not states.dtype.is_floating_point or states.device != self.tokens.device):
-            shape = tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__
-            raise ValueError(f"{where} states of shape {shape}; the protocol asks for a float [{self.batch}, {k}, "
-                             f"{hidden}] tensor on {self.tokens.device} (the target's states at the fed positions), "
-                             "or None.")
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer < layers:
-            raise ValueError(f"{where} states after {layer!r} layers; states_layer must be an integer from 1 to "
-                             f"{layers - 1} (the target has {layers} layers).")
+        check_draft(drafter, draft, k, self.batch, self.vocab_size, self.tokens.device, self.plan.target)
 
     def _score(self, k: int, reuse: int | None = None) -> torch.Tensor:
         """The target's logits ``[B, k + 1, V]`` over ``[pending, d_1 … d_k]`` (tensor code only).

@@ -18,6 +18,7 @@ import torch
 from ..checks import check_flag, check_int
 from ..models.loading import check_no_sliding_window, context_window
 from ..sampling import SamplingParams
+from .chunks import check_block_size
 
 __all__ = ["MAX_DRAFT_TOKENS", "MAX_TOKENS_WITHOUT_WINDOW", "EngineOptions", "Request", "parse_engine_options",
            "parse_request"]
@@ -57,6 +58,7 @@ class EngineOptions:
     device: torch.device
     dtype: torch.dtype  # for models given as paths
     compile: bool
+    block_size: int | None = None  # chunked drafting (SPEC.md §2); None: none
 
 
 def parse_device(device: Any) -> torch.device:
@@ -74,11 +76,12 @@ def parse_device(device: Any) -> torch.device:
 
 def parse_engine_options(
     *, drafters: Any, gammas: Any, selector_options: Any, share_selector: Any, tokenizer: Any, device: Any,
-    dtype: Any, compile: Any,
+    dtype: Any, compile: Any, block_size: Any = None,
 ) -> EngineOptions:
     """Check the constructor's arguments (before any model loads) and return them normalised."""
     check_flag("share_selector", share_selector)
     check_flag("compile", compile)
+    block_size = check_block_size(block_size)
     device = parse_device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -98,7 +101,7 @@ def parse_engine_options(
             callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
         raise ValueError(f"tokenizer must be a tokenizer (callable, with decode), a path or None; got {tokenizer!r}.")
     return EngineOptions(_drafter_specs(drafters), _gammas(gammas), dict(selector_options), share_selector,
-                         device, dtype, compile)
+                         device, dtype, compile, block_size)
 
 
 def _drafter_specs(drafters: Any) -> list[Any]:

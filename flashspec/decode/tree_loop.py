@@ -72,6 +72,9 @@ def check_tree_engine(engine: Any, gammas: Sequence[int] | str | None, num_draft
     if engine.bit_exact:
         raise ValueError("Tree decoding scores trees eagerly (SPEC.md §3), outside bit-exact mode: use an engine "
                          "built with bit_exact=False.")
+    if engine.block_size is not None:
+        raise ValueError("Tree decoding scores every drafter's chain in one forward: there are no chunks to draft "
+                         "in turn (SPEC.md §2). Use an engine built with block_size=None.")
     if gammas is None or (isinstance(gammas, str) and gammas == AUTO):
         return [max(g or num_draft_tokens for a, g in engine.arms if a == d) for d in range(len(drafters))]
     if not isinstance(gammas, (list, tuple)) or len(gammas) != len(drafters):

@@ -101,3 +101,4 @@ class Plan:
     tp: Any  # flashspec.models.parallel.TensorParallel, or None on one device
     queue_ahead: bool  # queue the next step before a poll waits (CUDA)
     acceptance: str = "token"  # the verification rule: "token" or "block" (SPEC.md §2)
+    block_size: int | None = None  # draft, score and verify in chunks of this many drafts (None: one; SPEC.md §2)

@@ -2,19 +2,20 @@
 
 The contract is :class:`Drafter` (``name``, ``begin``, ``propose``); optional capabilities are the
 protocols :class:`CatchesUp`, :class:`JoinsRows`, :class:`CapturesJoins`, :class:`ReadsFeatures`,
-:class:`TimesForwards` and :class:`ExpandsTrees` (top-k draft trees, :class:`TreeExpansion`). :func:`~flashspec.drafters.specs.make_drafter` turns the names the
-engine, the command line and the server take into drafters.
+:class:`TimesForwards`, :class:`DraftsInChunks` and :class:`ExpandsTrees` (top-k draft trees, :class:`TreeExpansion`).
+:func:`~flashspec.drafters.specs.make_drafter` turns the names the engine, the command line and the server take into drafters.
 """
 
 from .base import (
-           CapturesJoins,
-           CatchesUp,
-           Draft,
-           Drafter,
-           History,
-           JoinsRows,
-           ReadsFeatures,
-           TimesForwards,
+    CapturesJoins,
+    CatchesUp,
+    Draft,
+    Drafter,
+    DraftsInChunks,
+    History,
+    JoinsRows,
+    ReadsFeatures,
+    TimesForwards,
 )
 from .datastore import DatastoreDrafter
 from .early_exit import EarlyExitDrafter
@@ -24,6 +25,6 @@ from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .shallow import ShallowDrafter, ShallowHead
 
-__all__ = ["CapturesJoins", "CatchesUp", "DatastoreDrafter", "Draft", "Drafter", "EarlyExitDrafter", "ExpandedDraft",
-           "ExpandsTrees", "FeatureDrafter", "FeatureHead", "History", "JoinsRows", "ModelDrafter", "NgramDrafter",
-           "ReadsFeatures", "ShallowDrafter", "ShallowHead", "TimesForwards", "TreeExpansion"]
+__all__ = ["CapturesJoins", "CatchesUp", "DatastoreDrafter", "Draft", "Drafter", "DraftsInChunks", "EarlyExitDrafter",
+           "ExpandedDraft", "ExpandsTrees", "FeatureDrafter", "FeatureHead", "History", "JoinsRows", "ModelDrafter",
+           "NgramDrafter", "ReadsFeatures", "ShallowDrafter", "ShallowHead", "TimesForwards", "TreeExpansion"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -134,6 +134,19 @@ class Drafter(Protocol):
         """Exactly ``num_tokens`` drafts per row (``Draft.tokens`` is ``[B, num_tokens]``).
 
         ``uniforms [B, num_tokens]`` float64 are the random numbers for sampled drafts."""
+
+
+@runtime_checkable
+class DraftsInChunks(Protocol):
+    """A drafter that hands a proposal over in chunks (SPEC.md §2, "Chunked drafting"):
+    ``propose_chunks`` yields the drafts of columns ``[0, chunk)``, ``[chunk, 2·chunk)``, … (the
+    last one shorter) as :class:`Draft` objects, and does a chunk's work only when the next one is
+    asked for, so that the engine scores a chunk while the drafter drafts the next one and stops
+    asking once every row rejected a draft. Concatenated, the chunks are what ``propose`` with the
+    same arguments returns; a chunk's last draft is fed only when the next chunk is asked for."""
+
+    def propose_chunks(self, history: History, num_tokens: int, chunk: int, params: SamplingParams,
+                       uniforms: torch.Tensor) -> Iterator[Draft]: ...
 
 
 @runtime_checkable
@@ -275,6 +288,29 @@ def autoregress(
             logits = step(token, i)
     probs = torch.stack(laws, dim=1) if laws else None
     return torch.stack(drafted, dim=1), probs
+
+
+def autoregress_chunks(
+    logits: torch.Tensor, step: Callable[[torch.Tensor, int], torch.Tensor], num_tokens: int, chunk: int,
+    params: SamplingParams, uniforms: torch.Tensor,
+    draw_token: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """:func:`autoregress` in chunks of ``chunk`` tokens: yields each chunk's drafts ``[B, c]`` and
+    laws ``[B, c, V]`` (None when greedy). The same operations in the same order, so the chunks
+    concatenate to :func:`autoregress`'s result; a chunk's last draft is fed (``step``) only when
+    the next chunk is asked for, so a caller that stops asking stops the drafting (SPEC.md §2)."""
+    draw_token = draw_token or draw
+    token = None
+    for begin in range(0, num_tokens, chunk):
+        drafted, laws = [], []
+        for i in range(begin, min(begin + chunk, num_tokens)):
+            if i > 0:
+                logits = step(token, i - 1)
+            token, q = draw_token(logits, params, uniforms[:, i])
+            if q is not None:
+                laws.append(q)
+            drafted.append(token)
+        yield torch.stack(drafted, dim=1), torch.stack(laws, dim=1) if laws else None
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

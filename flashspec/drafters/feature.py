@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from ..models.graphs import Graphs, window_widths
 from ..models.static import StaticLM
 from ..models.tree import tree_layers
 from ..sampling import SamplingParams
-from .base import Draft, History, Seen, autoregress, draw
+from .base import Draft, History, Seen, autoregress, autoregress_chunks, draw
 from .expansion import ExpandedDraft, Step, expand_tree
 
 __all__ = ["FeatureDrafter", "FeatureHead", "SubsetHead", "check_taps", "decoder_layer", "default_taps",
@@ -323,16 +324,21 @@ class FeatureDrafter:
         graph each, all captured at once: SPEC.md §11)."""
         return window_widths(capacity, self.MIN_WINDOW)
 
-    @torch.inference_mode()  # also when called outside generate: a compiled proposal must not trace autograd
-    def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
+    def _prepare(self, history: History) -> int:
+        """What a proposal does first: checks, a new request's buffers, the window to feed (noted)."""
         self._check(history)
         if self._seen.first:
             self._start(history)
+        window = self._window(history)
+        self._seen.fed(history)
+        return window
+
+    @torch.inference_mode()  # also when called outside generate: a compiled proposal must not trace autograd
+    def propose(self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor) -> Draft:
+        window = self._prepare(history)
         active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
         self._graphs.reading(history.tokens, history.length, *self._hidden(history), active, uniforms,
                              self._features)
-        window = self._window(history)
-        self._seen.fed(history)
         tokens, probs = self._graphs.run_widths(self.widths(history.tokens.shape[1]), window, (num_tokens, params),
                                                 lambda w: self._draft(history, w, num_tokens, params, uniforms))
         return Draft(tokens, probs)
@@ -369,21 +375,38 @@ class FeatureDrafter:
         feature = self._features.gather(1, at[:, None, None].expand(-1, 1, self._features.shape[-1]))
         return self.network(token[:, None], feature, position, hidden_out=self._own)[:, 0]
 
+    @torch.inference_mode()
+    def propose_chunks(self, history: History, num_tokens: int, chunk: int, params: SamplingParams,
+                       uniforms: torch.Tensor) -> Iterator[Draft]:
+        """:meth:`propose` in chunks of ``chunk`` drafts, each drafted when the engine asks for it
+        (:class:`~flashspec.drafters.base.DraftsInChunks`, SPEC.md §2 "Chunked drafting"). Eager: no
+        CUDA graph. It reads the target's features of committed positions only, never those the
+        target's forwards of the step's chunks write."""
+        logits, step, draw_token = self._begin(history, self._prepare(history))
+        for tokens, probs in autoregress_chunks(logits, step, num_tokens, chunk, params, uniforms, draw_token):
+            yield Draft(tokens, probs)
+
     def _draft(self, history: History, window: int, num_tokens: int, params: SamplingParams,
                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pure tensor code (no host reads), so it can be captured as a graph. With ``compile``,
-        the feed of a window of up to COMPILED_WIDTHS positions and the one-token steps run
-        compiled; a wider window's feed (the prompt's, a long gap's) runs eagerly."""
+        """Pure tensor code (no host reads), so it can be captured as a graph."""
+        logits, step, draw_token = self._begin(history, window)
+        return autoregress(logits, step, num_tokens, params, uniforms, draw_token)
+
+    def _begin(self, history: History, window: int) -> tuple[torch.Tensor, Callable[..., torch.Tensor], Any]:
+        """Feed the last ``window`` committed positions: the logits after each row's pending token, the
+        draft loop's one-token step and its draw (tensor code only)."""
         length, step = history.length, self._next_step
         logits = self._root_logits(history, window)
         subset = self._subset
         draw_token = None if subset is None else (
             lambda logits, params, u: draw_in_subset(logits, subset.vocab, subset.vocab_size, params, u))
-        return autoregress(logits, lambda token, i: step(token, length + i), num_tokens, params, uniforms, draw_token)
+        return logits, lambda token, i: step(token, length + i), draw_token
 
     def _root_logits(self, history: History, window: int) -> torch.Tensor:
         """Feed the last ``window`` committed positions of every row; the logits after the pending
-        token, ``[B, V]`` (the draft vocabulary's with a compact head)."""
+        token, ``[B, V]`` (the draft vocabulary's with a compact head). With ``compile``, the feed
+        of a window of up to COMPILED_WIDTHS positions runs compiled; a wider window's feed (the
+        prompt's, a long gap's) runs eagerly."""
         feed = self._feed_step
         if window > StaticLM.COMPILED_WIDTHS:
             feed = self._feed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 from transformers import PreTrainedModel
 
@@ -9,7 +11,7 @@ from ..models.cached import make_lm
 from ..models.graphs import Graphs, window_widths
 from ..models.static import StaticLM
 from ..sampling import SamplingParams
-from .base import Draft, History, Seen, autoregress
+from .base import Draft, History, Seen, autoregress, autoregress_chunks
 
 
 class ModelDrafter:
@@ -136,19 +138,24 @@ class ModelDrafter:
         each, all captured at once: SPEC.md §4)."""
         return sorted({min(2, capacity), *window_widths(capacity, self.SWITCH_WINDOW)})
 
-    def propose(
-        self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor
-    ) -> Draft:
-        device = self.model.device
-        if history.tokens.device != device:
+    def _prepare(self, history: History, num_tokens: int) -> tuple[bool, torch.Tensor, int]:
+        """What a proposal does first: whether it is the request's first (it feeds the prompt),
+        the rows' active flags and the window to re-feed, noted as fed."""
+        if history.tokens.device != self.model.device:
             raise ValueError("A model drafter must live on the same device as the target.")
         first = self._seen.first  # the first proposal of a request feeds the prompt
         if first:
             self._start(history)
         active = history.active if history.active is not None else torch.ones_like(history.length, dtype=torch.bool)
-        self._graphs.reading(history.tokens, history.length, active, uniforms)  # graphs read fixed buffers
         window = self._window(history)
         self._seen.fed(history, after_step=num_tokens)
+        return first, active, window
+
+    def propose(
+        self, history: History, num_tokens: int, params: SamplingParams, uniforms: torch.Tensor
+    ) -> Draft:
+        first, active, window = self._prepare(history, num_tokens)
+        self._graphs.reading(history.tokens, history.length, active, uniforms)  # graphs read fixed buffers
         # Every window replays a graph, the prompt's feed included; without graphs (the CPU) the
         # first proposal's feed runs eagerly, so that no prompt length compiles (SPEC.md §3, §4).
         eager = first and not self._graphs.enabled
@@ -171,6 +178,23 @@ class ModelDrafter:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pure tensor code (no host reads), so it can be captured as a graph. ``eager``: the
         re-feed (a first proposal's pass over the prompt, without graphs) is never compiled."""
+        logits, step = self._begin(history, length, active, window, eager)
+        return autoregress(logits, step, num_tokens, params, uniforms)
+
+    def propose_chunks(self, history: History, num_tokens: int, chunk: int, params: SamplingParams,
+                       uniforms: torch.Tensor) -> Iterator[Draft]:
+        """:meth:`propose` in chunks of ``chunk`` drafts, each drafted when the engine asks for it
+        (:class:`~flashspec.drafters.base.DraftsInChunks`, SPEC.md §2 "Chunked drafting"). Eager:
+        no CUDA graph, so a chunk's forwards can run beside the target's."""
+        first, active, window = self._prepare(history, num_tokens)
+        logits, step = self._begin(history.tokens, history.length, active, window, eager=first)
+        for tokens, probs in autoregress_chunks(logits, step, num_tokens, chunk, params, uniforms):
+            yield Draft(tokens, probs)
+
+    def _begin(self, history: torch.Tensor, length: torch.Tensor, active: torch.Tensor, window: int,
+               eager: bool = False) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+        """Re-feed each row's last ``window`` committed tokens: the logits after its pending token,
+        and the draft loop's one-token step (tensor code only)."""
         capacity = history.shape[1]
         start = (length - window).clamp(min=0)
         index = start[:, None] + torch.arange(window, device=length.device)
@@ -178,5 +202,4 @@ class ModelDrafter:
         fed = history.gather(1, index.clamp(max=capacity - 1))
         logits = self._lm.forward(fed, start, real, logits_at=(length - 1 - start)[:, None], eager=eager)[:, 0]
         live = active[:, None]  # finished rows draft as holes (their positions may pass the window)
-        return autoregress(logits, lambda token, i: self._lm.forward(token[:, None], length + i, live)[:, 0],
-                           num_tokens, params, uniforms)
+        return logits, lambda token, i: self._lm.forward(token[:, None], length + i, live)[:, 0]

@@ -258,6 +258,7 @@ def calibrate_engine(target: Any, drafters: Any = (), *, device: str | torch.dev
     probe = SpeculativeEngine(target, drafters, gammas=list(range(1, max_gamma + 1)), selector="fixed",
                               target_only=True, slack=None, tokenizer=tokenizer, device=device, dtype=dtype,
                               compile=compile, bit_exact=options.get("bit_exact", False),
+                              block_size=options.get("block_size"),
                               warmup=False)  # timed as it will run (measure_steps drops each arm's first step)
     choice.target_step, choice.step_seconds, choice.catch_up_seconds = measure_steps(
         probe, use_cache=use_cache, progress=progress)
