@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -269,11 +270,12 @@ def _sources(options: DistillOptions, tokenizer: Any, sharegpt_file: str | Path 
     files: dict[str, Any] = {}
     if options.source in ("sharegpt", "mixed"):
         path = locate_sharegpt(sharegpt_file)
-        files["sharegpt_sha256"] = sha256_of_file(path)
         passages, checked = evaluation_passages()
+        chosen = list(_conversations(path, options.conversations, passages, overlap))
+        # the conversations used, not the file: a copy cut after them continues the same folder
+        files["sharegpt_conversations_sha256"] = _items_sha256(chosen)
         files["evaluation_sets_left_out"] = checked
-        sources.append(("sharegpt", _conversations(path, options.conversations, passages, overlap),
-                        options.conversations))
+        sources.append(("sharegpt", chosen, options.conversations))
     if options.source in ("corpus", "mixed"):
         from ..data.corpus import DOMAINS
 
@@ -307,6 +309,14 @@ def _conversations(path: Path, count: int, passages: list[str] = (), overlap: di
               if messages[0]["role"] == "user" and clean(messages))
     for key, messages in itertools.islice(chosen, count):
         yield Item(key, turns=tuple(m["content"] for m in messages if m["role"] == "user"))
+
+
+def _items_sha256(items: list[Item]) -> str:
+    """sha256 of the items' keys and user turns, in order: what a source's shards are made from."""
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(json.dumps([item.key, list(item.turns or ())], ensure_ascii=False).encode())
+    return digest.hexdigest()
 
 
 def _corpus_prompts(options: DistillOptions, tokenizer: Any, corpus_dir: str | Path, domain: str) -> list[list[int]]:

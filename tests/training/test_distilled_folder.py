@@ -20,7 +20,7 @@ from distill_helpers import (
 )
 from tiny_models import tiny_model, write_tiny_corpus
 
-from flashspec.data.sharegpt import part_of, sha256_of_file
+from flashspec.data.sharegpt import part_of, read_records, sha256_of_file
 from flashspec.training.data import check_data, distilled_chunks, sample_windows, training_chunks
 from flashspec.training.distill import DistillOptions, distill_folder, weights_sha256
 from flashspec.training.shards import load_distilled, read_manifest
@@ -80,7 +80,7 @@ def test_shards_round_trip_with_masks_and_a_complete_manifest(target, sharegpt, 
     identity = manifest["identity"]
     assert identity["options"]["max_turns"] == 2 and identity["options"]["source"] == "sharegpt"
     assert identity["target_sha256"] == weights_sha256(target)
-    assert identity["files"]["sharegpt_sha256"] == sha256_of_file(sharegpt)
+    assert len(identity["files"]["sharegpt_conversations_sha256"]) == 64  # the conversations used, not the file
     assert identity["tokenizer"]["chat_template_sha256"] and manifest["arguments"] == {"out": "here"}
     assert manifest["target"]["model_type"] == "llama"
     assert [e["name"] for e in manifest["shards"]] == ["sharegpt-00000.npz", "sharegpt-00001.npz",
@@ -139,6 +139,20 @@ def test_a_run_out_of_time_stops_between_shards_and_the_next_continues(target, s
         _distill(target, tmp_path / "late", sharegpt, max_seconds=0)
 
 
+def test_a_copy_of_the_file_cut_after_the_conversations_used_continues_the_folder(target, sharegpt, tmp_path,
+                                                                                 monkeypatch):
+    """The identity holds the conversations used, not the file's checksum: a shorter copy that
+    still holds them (as one made to travel light) continues the folder without new answers."""
+    _distill(target, tmp_path / "out", sharegpt)
+    records = list(read_records(sharegpt))
+    records = records[: [r["id"] for r in records].index("x_0")]  # the unused tail dropped
+    assert len(records) == 6
+    shorter = write_sharegpt(tmp_path / "shorter.json", records)
+    spy = GenerateSpy(monkeypatch)
+    _distill(target, tmp_path / "out", shorter)
+    assert spy.calls == []
+
+
 def test_other_settings_in_the_same_folder_are_refused(target, sharegpt, tmp_path, monkeypatch):
     _distill(target, tmp_path / "out", sharegpt)
     spy = GenerateSpy(monkeypatch)  # options of the corpus alone do not shape ShareGPT data: continued
@@ -149,7 +163,7 @@ def test_other_settings_in_the_same_folder_are_refused(target, sharegpt, tmp_pat
     with pytest.raises(ValueError, match="target_sha256"):
         _distill(tiny_model("llama", seed=1), tmp_path / "out", sharegpt)
     other = write_sharegpt(tmp_path / "other.json", [record("z_0", ["q"])])
-    with pytest.raises(ValueError, match="sharegpt_sha256"):
+    with pytest.raises(ValueError, match="sharegpt_conversations_sha256"):
         _distill(target, tmp_path / "out", other)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
@@ -189,7 +203,8 @@ def test_corpus_prompts_mix_with_conversations(target, sharegpt, tmp_path):
     corpus_samples = [s for s in load_distilled(tmp_path / "out") if s.source == "corpus"]
     assert [s.item for s in corpus_samples] == [0, 1, 2] and all(s.mask.sum() == 4 for s in corpus_samples)
     assert [s.estimate for s in corpus_samples] == [part_of(f"code-{i}") == "estimate" for i in range(3)]
-    assert set(manifest["identity"]["files"]) == {"sharegpt_sha256", "corpus_sha256", "evaluation_sets_left_out"}
+    assert set(manifest["identity"]["files"]) == {"sharegpt_conversations_sha256", "corpus_sha256",
+                                                    "evaluation_sets_left_out"}
     with pytest.raises(ValueError, match="corpus folder"):
         _distill(target, tmp_path / "other", sharegpt, options)
 
