@@ -245,3 +245,26 @@ def test_a_tree_of_every_drafters_chain_is_measured_beside_them(corpus, tmp_path
         assert tree["proposed"] == 3 * 2 * tree["row_steps"]  # every drafter's 2 nodes, every step
     acceptance.write(results, tmp_path)
     assert "| tree@2 |" in (tmp_path / "acceptance.md").read_text()
+
+
+def test_each_arms_engine_is_gone_before_the_next_one_is_built(corpus, monkeypatch):
+    """An arm's engine (and with it, on a GPU, its CUDA graphs' memory pools) is collected before
+    the next arm builds its own: otherwise every arm's pools stay held."""
+    import weakref
+
+    target = tiny_model("llama", seed=0)
+    tok = ChatCharTokenizer()
+    requests = acceptance.make_requests(corpus, tok, styles=["text"], prompts_per_domain=1, prompt_tokens=12)
+    built, alive_at_build = [], []
+    original = acceptance._engine
+
+    def engine(*args, **kwargs):
+        alive_at_build.append(sum(ref() is not None for ref in built))
+        made = original(*args, **kwargs)
+        built.append(weakref.ref(made))
+        return made
+
+    monkeypatch.setattr(acceptance, "_engine", engine)
+    acceptance.run(target, {"ngram": "ngram"}, requests, gammas=[1, 2, 3], batch=1, max_new_tokens=4,
+                   tokenizer=tok, warm_up=False, progress=False)
+    assert alive_at_build == [0, 0, 0]
