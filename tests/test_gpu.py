@@ -439,8 +439,12 @@ def test_the_default_configuration_on_cuda_equals_generate_and_guards_each_reque
     assert engine.arm_label(engine.target_only_arm) == "target@0"
     for prompts, n in [(PROMPTS, 60), (PROMPTS[:1], 120)]:
         out = engine.generate(prompts, max_new_tokens=n, eos_token_id=[])
-        assert out.sequences == [hf_greedy(target, p, n) for p in prompts]
-        assert out.stats.per_arm["target@0"].steps >= 1
+        expected = [hf_greedy(target, p, n) for p in prompts]
+        differ = [(row, next(i for i, (a, b) in enumerate(zip(got, want)) if a != b))
+                  for row, (got, want) in enumerate(zip(out.sequences, expected)) if got != want]
+        arms = {label: (s.steps, s.accepted) for label, s in out.stats.per_arm.items()}
+        assert not differ, f"(row, first differing token) {differ}; steps and accepted drafts per arm {arms}"
+        assert out.stats.per_arm["target@0"].steps >= 1, f"steps and accepted drafts per arm {arms}"
     assert engine.arm_costs  # measured by the first request's guard
 
 
