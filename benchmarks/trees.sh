@@ -8,10 +8,12 @@
 # Environment (defaults in brackets): DEVICE [cuda if present, else cpu], CORPUS [../shared/corpus],
 #   WORKLOADS ["humaneval mt-bench"], TEMPERATURES ["0 0.7"], GAMMAS ["3,5"], PER_CATEGORY [10 MT-bench
 #   questions per category; 164 HumanEval problems], NEW_TOKENS [256], BATCH [1], DTYPE [bfloat16],
-#   MTBENCH / HUMANEVAL [fetched]. Trees run eagerly, so no arm is compiled here.
+#   MTBENCH / HUMANEVAL [fetched], EXPAND [none; e.g. "feature-general=4,16": that drafter's part of each
+#   tree is a top-k expansion, SPEC.md §7]. Trees run eagerly, so no arm is compiled here.
 set -euo pipefail
 source "$(dirname "$0")/inputs.sh"
 files=(); [ -n "${MTBENCH:-}" ] && files+=(--mtbench-file "$MTBENCH")
+for e in ${EXPAND:-}; do files+=(--expand "$e"); done
 [ -n "${HUMANEVAL:-}" ] && files+=(--humaneval-file "$HUMANEVAL")
 mkdir -p "$dest"
 for workload in ${WORKLOADS:-humaneval mt-bench}; do

@@ -35,7 +35,8 @@ from ..data.corpus import (
     heldout_prompts,
     store_drafters,
 )
-from ..drafters import ModelDrafter
+from ..drafters import ModelDrafter, TreeExpansion
+from ..drafters.expansion import candidates
 from ..engine import SpeculativeEngine
 from .acceptance_report import arm_label, plot, summarize, write
 from .e2e import _is_model, _is_self_drafter, _machine, drafter_name
@@ -57,13 +58,16 @@ def _positive_int(name: str, value: Any) -> None:
 def check_options(
     *, drafters: list[str], gammas: list[int], styles: list[str], prompts_per_domain: int, batch: int,
     max_new_tokens: int, prompt_tokens: int = 128, snippet_tokens: int = 192, temperature: float = 0.0,
-    rules: list[str] = ("token",), block_size: int | None = None,
+    rules: list[str] = ("token",), block_size: int | None = None, tree: bool = False,
+    expand: dict[str, tuple[int, int]] | None = None,
 ) -> None:
     """Raise a ValueError for anything that would fail later (before minutes of model loading)."""
     from ..decode.chunks import check_block_size
     from ..verify import ACCEPTANCES
 
     check_block_size(block_size)
+    if expand:
+        expansions(expand, drafters, gammas, tree)
 
     if not rules or any(rule not in ACCEPTANCES for rule in rules) or len(set(rules)) != len(rules):
         raise ValueError(f"acceptance rules must be distinct names from {', '.join(ACCEPTANCES)}; got {list(rules)!r}.")
@@ -89,6 +93,28 @@ def check_options(
     if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
             and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a number >= 0 (0 means greedy); got {temperature!r}.")
+
+
+def expansions(expand: dict[str, tuple[int, int]], drafters: list[str], gammas: list[int],
+               tree: bool) -> dict[str, TreeExpansion]:
+    """``expand`` (drafter name → ``(topk, nodes)``) as the tree arms' ``generate_tree(expand=...)``,
+    checked against the drafters measured and every γ (a tree of depth γ holds at most
+    ``topk + (γ − 1)·topk²`` nodes)."""
+    if not tree:
+        raise ValueError("Top-k expansion (--expand) shapes the draft-tree arms: add --tree.")
+    out = {}
+    for name, pair in expand.items():
+        if name not in drafters:
+            raise ValueError(f"--expand names {name!r}, which is not a drafter measured here "
+                             f"({', '.join(drafters)}).")
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"--expand {name!r} takes (topk, nodes); got {pair!r}.")
+        out[name] = TreeExpansion(*pair)
+        if out[name].nodes > candidates(min(gammas), out[name].topk):
+            raise ValueError(f"--expand {name}={out[name].topk},{out[name].nodes}: a tree of depth {min(gammas)} "
+                             f"(the smallest γ) with topk={out[name].topk} holds at most "
+                             f"{candidates(min(gammas), out[name].topk)} nodes.")
+    return out
 
 
 def make_requests(
@@ -223,6 +249,7 @@ def run(
     on_row: Callable[[dict[str, Any]], None] | None = None,
     tree: bool = False,
     block_size: int | None = None,
+    expand: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """Decode every style's and domain's ``requests`` (from :func:`make_requests`) with one fixed
     arm per drafter × γ; one row per (drafter, γ, domain, style). ``stop_at_eos``: each answer
@@ -235,18 +262,22 @@ def run(
     row, so that a run cut short keeps what it measured. ``tree``: also one arm per γ that puts every
     drafter's chain of γ tokens into one draft tree per step (``SpeculativeEngine.generate_tree``,
     SPEC.md §7), labelled ``tree@γ`` (token-wise rule only). ``block_size``: every arm's drafts drafted,
-    scored and verified in chunks of this many (SPEC.md §2, "Chunked drafting"; not the tree arms)."""
+    scored and verified in chunks of this many (SPEC.md §2, "Chunked drafting"; not the tree arms).
+    ``expand``: drafter name → ``(topk, nodes)``: in the tree arms, that feature or EAGLE-3 head's part
+    is an EAGLE-2 top-k expansion of depth γ instead of its chain (SPEC.md §7, "Top-k expansion")."""
     styles = list(requests)
     counts = [len(ps) for by_domain in requests.values() for ps in by_domain.values()]
     check_options(drafters=list(drafters), gammas=list(gammas), styles=styles,
                   prompts_per_domain=min(counts, default=0), batch=batch, max_new_tokens=max_new_tokens,
-                  temperature=temperature, rules=list(rules), block_size=block_size)
+                  temperature=temperature, rules=list(rules), block_size=block_size, tree=tree, expand=expand)
+    expanded = expansions(expand, list(drafters), list(gammas), tree) if expand else None
     results: dict[str, Any] = {
         "machine": _machine(target.device, next(target.parameters()).dtype),
         "settings": {
             "drafters": list(drafters), "gammas": list(gammas), "styles": styles, "batch": batch,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "compile": compile,
             "acceptance": list(rules), "tree": tree, "block_size": block_size,
+            "expand": {n: [e.topk, e.nodes] for n, e in expanded.items()} if expanded else None,
             "prompts_per_domain": min(counts), "warm_up": warm_up, "selector": "fixed",
             "heldout": f"last {HELDOUT_FRACTION:.0%} of each corpus file's decompressed bytes",
             "eos": ("stops each answer (at most max_new_tokens)" if stop_at_eos
@@ -270,7 +301,7 @@ def run(
         # one engine per arm, kept across styles and domains
         if name == TREE:
             engine = _tree_engine(target, drafters, tokenizer, compile)
-            generate = functools.partial(engine.generate_tree, gammas=[gamma] * len(drafters))
+            generate = functools.partial(engine.generate_tree, gammas=[gamma] * len(drafters), expand=expanded)
         else:
             engine = _engine(target, name, drafter, gamma, tokenizer, compile, rule, block_size)
             generate = engine.generate
@@ -347,7 +378,8 @@ def load_and_run(
     check_options(drafters=names, gammas=gammas, styles=styles, prompts_per_domain=prompts_per_domain,
                   batch=options.get("batch", 1), max_new_tokens=options.get("max_new_tokens", 1),
                   prompt_tokens=prompt_tokens, snippet_tokens=snippet_tokens,
-                  temperature=options.get("temperature", 0.0), block_size=options.get("block_size"))
+                  temperature=options.get("temperature", 0.0), block_size=options.get("block_size"),
+                  tree=options.get("tree", False), expand=options.get("expand"))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = getattr(torch, dtype)
     tok = load_tokenizer(tokenizer or target)

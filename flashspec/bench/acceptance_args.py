@@ -35,6 +35,9 @@ def add_parser(sub: Any) -> None:
                         "chunked drafting); default: in one piece")
     p.add_argument("--tree", action="store_true",
                    help="also, per γ, every drafter's chain in one draft tree per step (generate_tree, SPEC.md §7)")
+    p.add_argument("--expand", action="append", default=None, metavar="NAME=TOPK,NODES",
+                   help="with --tree: drafter NAME's part of each tree is an EAGLE-2 top-k expansion (TOPK children "
+                        "per node, NODES kept) instead of its chain (feature and EAGLE-3 drafters; SPEC.md §7)")
     p.add_argument("--styles", default=None,
                    help="comma-separated: text (held-out continuations of --prompt-tokens), chat (chat-formatted "
                         "requests around --snippet-tokens snippets); default text,chat (chat for mt-bench)")
@@ -65,7 +68,7 @@ def command(args: argparse.Namespace) -> None:
     styles = comma_list(acceptance_styles(args))
     rules = comma_list(args.acceptance)
     options = {"batch": args.batch, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-               "block_size": args.block_size}
+               "block_size": args.block_size, "tree": args.tree, "expand": parse_expand(args.expand)}
     drafts = args.draft or ["ngram"]  # checked with a stand-in before the demo download
     check_options(drafters=[drafter_name(d) for d in drafts], gammas=gammas, styles=styles,
                   prompts_per_domain=args.prompts_per_domain, prompt_tokens=args.prompt_tokens,
@@ -75,7 +78,23 @@ def command(args: argparse.Namespace) -> None:
         Path(args.out), target=args.target or fetch_demo_model(DEMO_TARGET), drafts=drafts, tokenizer=args.tokenizer,
         corpus=Path(args.corpus), device=args.device, dtype=args.dtype, styles=styles, gammas=gammas,
         prompts_per_domain=args.prompts_per_domain, prompt_tokens=args.prompt_tokens,
-        snippet_tokens=args.snippet_tokens, seed=args.seed, compile=args.compile, rules=rules, tree=args.tree,
+        snippet_tokens=args.snippet_tokens, seed=args.seed, compile=args.compile, rules=rules,
         warm_up=not args.no_warm_up, progress=not args.no_progress, **workload_options(args), **options,
     )
     print(summarize(results))
+
+
+def parse_expand(values: list[str] | None) -> dict[str, tuple[int, int]] | None:
+    """``["NAME=TOPK,NODES", ...]`` → ``{NAME: (TOPK, NODES)}``; a malformed one is a ValueError."""
+    if not values:
+        return None
+    out: dict[str, tuple[int, int]] = {}
+    for value in values:
+        name, _, pair = value.rpartition("=")
+        numbers = pair.split(",")
+        if not name or len(numbers) != 2 or not all(n.strip().isdigit() for n in numbers):
+            raise ValueError(f"--expand takes NAME=TOPK,NODES (e.g. feature-general=4,16); got {value!r}.")
+        if name in out:
+            raise ValueError(f"--expand names {name!r} twice.")
+        out[name] = (int(numbers[0]), int(numbers[1]))
+    return out

@@ -66,6 +66,9 @@ def summarize(results: dict[str, Any]) -> str:
     if s.get("tree"):
         lines.append("`tree@γ`: every drafter's chain of γ tokens in one draft tree per step, verified in one target "
                      "forward (`generate_tree`); α is over all its nodes.")
+    for name, (topk, nodes) in (s.get("expand") or {}).items():
+        lines.append(f"In `tree@γ`, {name}'s part is a top-k expansion of depth γ ({topk} children per node, "
+                     f"the {nodes} most probable nodes kept) instead of its chain.")
     lines.append("")
     describe = {"text": "continuations of held-out corpus text",
                 "chat": "chat-formatted requests: a held-out snippet inside a user instruction, chat template applied"}

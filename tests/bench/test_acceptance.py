@@ -268,3 +268,53 @@ def test_each_arms_engine_is_gone_before_the_next_one_is_built(corpus, monkeypat
     acceptance.run(target, {"ngram": "ngram"}, requests, gammas=[1, 2, 3], batch=1, max_new_tokens=4,
                    tokenizer=tok, warm_up=False, progress=False)
     assert alive_at_build == [0, 0, 0]
+
+
+def test_a_feature_drafters_part_of_the_tree_can_be_a_top_k_expansion(corpus, tmp_path):
+    """--expand: the tree arm's feature drafter expands EAGLE-2 top-k trees; its nodes are counted."""
+    from test_tree_decode import head_folder
+
+    target = tiny_model("llama", seed=0)
+    tok = ChatCharTokenizer()
+    requests = acceptance.make_requests(corpus, tok, styles=["text"], prompts_per_domain=1, prompt_tokens=12)
+    drafters = {"head": f"feature:{head_folder(target)}", "ngram": "ngram"}
+    common = dict(gammas=[2], batch=1, max_new_tokens=6, tokenizer=tok, warm_up=False, progress=False, tree=True)
+    chains = acceptance.run(target, drafters, requests, **common)
+    expanded = acceptance.run(target, drafters, requests, expand={"head": (3, 5)}, **common)
+    assert expanded["settings"]["expand"] == {"head": [3, 5]} and chains["settings"]["expand"] is None
+    tree = [r for r in expanded["rows"] if r["drafter"] == "tree"]
+    chain_tree = [r for r in chains["rows"] if r["drafter"] == "tree"]
+    for r, c in zip(tree, chain_tree):  # 5 expanded nodes and n-gram's 2 against two chains of 2, every step
+        assert r["proposed"] == (5 + 2) * r["row_steps"] and c["proposed"] == (2 + 2) * c["row_steps"]
+    acceptance.write(expanded, tmp_path)
+    assert "head's part is a top-k expansion" in (tmp_path / "acceptance.md").read_text()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(expand={"head": (2, 3)}), "add --tree"),
+    (dict(tree=True, expand={"other": (2, 3)}), "not a drafter measured"),
+    (dict(tree=True, expand={"head": (0, 3)}), "topk"),
+    (dict(tree=True, expand={"head": (2, 3)}, gammas=[1, 2]), "at most 2 nodes"),
+])
+def test_bad_expansions_are_clear_value_errors(change, message):
+    options = dict(drafters=["head", "ngram"], gammas=[2], styles=["text"], prompts_per_domain=1, batch=1,
+                   max_new_tokens=4)
+    with pytest.raises(ValueError, match=message):
+        acceptance.check_options(**{**options, **change})
+
+
+@pytest.mark.parametrize("values, expected", [
+    (None, None), (["feature-general=4,16"], {"feature-general": (4, 16)}), (["a=b=1,2"], {"a=b": (1, 2)}),
+])
+def test_expand_arguments_parse(values, expected):
+    from flashspec.bench.acceptance_args import parse_expand
+
+    assert parse_expand(values) == expected
+
+
+@pytest.mark.parametrize("values", [["x=4"], ["=4,16"], ["x=4,y"], ["x=1,2", "x=3,4"], ["x=-1,2"]])
+def test_bad_expand_arguments_are_clear_value_errors(values):
+    from flashspec.bench.acceptance_args import parse_expand
+
+    with pytest.raises(ValueError, match="--expand"):
+        parse_expand(values)
