@@ -239,6 +239,28 @@ def test_the_cost_model_learns_step_times():
     assert budget.seconds((0, 2)) == pytest.approx(line + 0.2 * 2 / 4)
 
 
+def test_node_counts_follow_the_expansion():
+    """An expanded drafter's part is min(nodes, topk + (γ − 1)·topk²) nodes at depth γ, and the cost
+    model's buckets are keyed by the tree's node count, not by Σγ."""
+    budget = TreeBudget([4, 3])
+    assert budget.node_count((2, 3)) == 5
+    budget.expand({0: (2, 5)})
+    assert [budget.nodes_at(0, g) for g in range(5)] == [0, 2, 5, 5, 5]
+    assert budget.node_count((1, 0)) == 2 and budget.node_count((4, 3)) == 8 and budget.node_count((0, 2)) == 2
+    for _ in range(3):
+        budget.observe((2, 1), [[1], [0]], [2], 1.4, [0.2, 0.1])  # 6 nodes: V(6) = 1.1
+        budget.observe((0, 0), [[-1], [-1]], [1], 1.0)
+    assert budget.seconds((2, 1)) == pytest.approx(1.4)
+    # (4, 1) is 5 + 1 = 6 nodes too: V(6) = 1.1, drafter 0 at 4 from its one γ (0.2 · 4 / 2), drafter 1 at 1
+    assert budget.seconds((4, 1)) == pytest.approx(1.1 + 0.4 + 0.1)
+    budget.expand({})
+    assert budget.node_count((4, 3)) == 7
+    for bad, message in [({5: (2, 2)}, "drafter index"), ({0: (0, 2)}, "topk"), ({0: (2, 0)}, "nodes"),
+                         ({0: 3}, "a pair")]:
+        with pytest.raises(ValueError, match=message):
+            budget.expand(bad)
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_any_stream_gives_valid_and_deterministic_choices(data):

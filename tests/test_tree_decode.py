@@ -523,6 +523,32 @@ def test_greedy_with_expansions_equals_hf_generate(kind, gammas, option, layout)
         assert sum(s.per_drafter[name].accepted for s in stats) > 0
 
 
+@pytest.mark.parametrize("layout", ["alone", "ragged"])
+def test_auto_budget_with_an_expansion_equals_hf_generate(layout):
+    """``gammas="auto"`` with an expanded head (a copy of the target's own layers, so it is often
+    right): the budget chooses the head's depth, the head keeps ``min(nodes, topk + (γ − 1)·topk²)``
+    nodes at depth γ, and the output is the target's greedy continuation."""
+    e = expanding_engine("copy")
+    e.tree_budget = None  # "auto" learns across calls: start afresh
+    name, expand = e.drafters[0].name, {e.drafters[0].name: TreeExpansion(2, 5)}
+    if layout == "alone":
+        stats = []
+        for p in PROMPTS:
+            out = e.generate_tree([list(p)], max_new_tokens=NEW, gammas="auto", expand=expand)
+            assert out.sequences == [hf_greedy("llama", p, NEW)]
+            stats.append(out.stats)
+    else:
+        out = e.generate_tree([list(p) for p in PROMPTS], max_new_tokens=NEW, gammas="auto", expand=expand)
+        assert out.sequences == [hf_greedy("llama", p, NEW) for p in PROMPTS]
+        stats = [out.stats]
+    depths = {1: 2, 2: 5, 3: 5, 4: 5}  # min(5, 2 + (γ − 1)·4)
+    labels = [label for s in stats for label in s.per_arm if label.startswith(f"{name}@")]
+    assert labels and all(label.split("+")[0] in {f"{name}@0"} | {f"{name}@{g}(top2,{n})" for g, n in depths.items()}
+                          for label in labels)
+    assert any("(top2,2)" in label for label in labels) or any("(top2,5)" in label for label in labels)
+    assert e.tree_budget.node_count((4, 0, 0)) == 5 and e.tree_budget.node_count((1, 2, 0)) == 4
+
+
 @settings(max_examples=25, deadline=None)
 @given(batch=st.integers(1, 3), depth=st.integers(1, 4), topk=st.integers(1, 4), pick=st.integers(0, 10**6),
        max_new_tokens=st.integers(1, 10), seed=st.integers(0, 2**16))
@@ -644,7 +670,7 @@ def test_bad_expand_options_are_clear_errors():
              ({name: 3}, [2, 1, 1], r"must be a TreeExpansion\(topk, nodes\) or a \(topk, nodes\) pair"),
              ({name: (0, 2)}, [2, 1, 1], "topk must be an integer from 1 to 64; got 0"),
              ({name: (2, 7)}, [2, 1, 1], "makes at most 6"),
-             ({name: (2, 2)}, "auto", "fixed gammas")]
+             ({name: (2, 40)}, "auto", "makes at most")]  # nodes past what its largest depth holds
     for expand, gammas, message in cases:
         with pytest.raises(ValueError, match=message):
             e.generate_tree([[1, 2]], gammas=gammas, expand=expand)

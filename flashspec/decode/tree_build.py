@@ -40,10 +40,10 @@ class Part:
         return self.tokens.shape[1]
 
 
-def check_expand(drafters: Sequence[Drafter], expand: Any, gammas: Sequence[int] | None) -> dict[int, TreeExpansion]:
+def check_expand(drafters: Sequence[Drafter], expand: Any, gammas: Sequence[int]) -> dict[int, TreeExpansion]:
     """``expand`` (``{drafter name: TreeExpansion or (topk, nodes)}``, or None) as ``{drafter index:
-    TreeExpansion}``, checked against the drafters and their depths ``gammas`` (None: ``"auto"``,
-    refused with an expansion); ``ValueError`` sentences otherwise."""
+    TreeExpansion}``, checked against the drafters and their depths ``gammas`` (with ``"auto"``,
+    their largest); ``ValueError`` sentences otherwise."""
     if expand is None:
         return {}
     if not isinstance(expand, Mapping):
@@ -63,9 +63,6 @@ def check_expand(drafters: Sequence[Drafter], expand: Any, gammas: Sequence[int]
         if not isinstance(option, TreeExpansion):
             raise ValueError(f"expand[{name!r}] must be a TreeExpansion(topk, nodes) or a (topk, nodes) pair; "
                              f"got {option!r}.")
-        if gammas is None:
-            raise ValueError("expand works with fixed gammas for now: gammas='auto' chooses draft lengths by "
-                             "chain node counts.")
         option.check(gammas[i], drafters[i].draft_vocab_size, name)
         out[i] = option
     return out

@@ -34,7 +34,7 @@ import torch
 
 from ..draft_tree import DraftTree, verify_tree
 from ..drafters.base import Drafter, Growth, History, ReadsFeatures
-from ..drafters.expansion import TreeExpansion
+from ..drafters.expansion import TreeExpansion, candidates
 from ..drafters.feature import FeatureDrafter
 from ..models.static import StaticLM
 from ..models.tree import commit_path, tree_forward
@@ -147,12 +147,15 @@ def decode_tree(
                            sync_every=None, context=context)
     auto = isinstance(gammas, str) and gammas == AUTO
     gammas = check_tree_engine(engine, gammas, request.num_draft_tokens)
-    expansions = check_expand(engine.drafters, expand, None if auto else gammas)
     budget = tree_budget(engine, gammas) if auto else None
+    expansions = check_expand(engine.drafters, expand, budget.gamma_max if auto else gammas)
+    if budget is not None:  # the node counts its cost model reads (SPEC.md §7)
+        budget.expand({i: (e.topk, e.nodes) for i, e in expansions.items()})
     deepest = max(budget.gamma_max) if budget is not None else max(gammas)
     stats = GenerationStats(per_drafter={d.name: DrafterStats() for d in engine.drafters})
     if budget is None:
-        stats.per_arm[_label(engine.drafters, tuple(gammas), expansions)] = DrafterStats()
+        sizes = [_nodes_at(expansions, i, g) for i, g in enumerate(gammas)]
+        stats.per_arm[_label(engine.drafters, tuple(gammas), expansions, sizes)] = DrafterStats()
     sequences: list[list[int]] = [[] for _ in request.rows]
     if request.max_new_tokens > 0:
         # Room past the longest row for the deepest branch (the engine adds its arms' γ + 2).
@@ -179,13 +182,23 @@ def decode_tree(
     return GenerationOutput(sequences, stats, text)
 
 
-def _label(drafters: Sequence[Drafter], allocation: Allocation, expansions: Mapping[int, TreeExpansion]) -> str:
-    """``"ngram@3+noisy@0"``, ``"feature@4(top3,12)"`` for an expansion; ``"target@0"`` for a
-    target-only step."""
+def _nodes_at(expansions: Mapping[int, TreeExpansion], drafter: int, k: int) -> int:
+    """Drafter ``drafter``'s nodes at draft length ``k``: ``k`` for a chain; an expansion keeps
+    ``min(nodes, topk + (k − 1)·topk²)`` (its ``nodes`` at the depth it was checked for; SPEC.md §7)."""
+    expansion = expansions.get(drafter)
+    if expansion is None or k == 0:
+        return k
+    return min(expansion.nodes, candidates(k, expansion.topk))
+
+
+def _label(drafters: Sequence[Drafter], allocation: Allocation, expansions: Mapping[int, TreeExpansion],
+           sizes: Sequence[int]) -> str:
+    """``"ngram@3+noisy@0"``, ``"feature@4(top3,12)"`` for an expansion (``sizes``: each drafter's
+    nodes); ``"target@0"`` for a target-only step."""
     if not any(allocation):
         return "target@0"
-    return "+".join(f"{d.name}@{g}" + (f"(top{expansions[i].topk},{expansions[i].nodes})" if i in expansions else "")
-                    for i, (d, g) in enumerate(zip(drafters, allocation)))
+    return "+".join(f"{d.name}@{g}" + (f"(top{expansions[i].topk},{n})" if i in expansions and g else "")
+                    for i, (d, g, n) in enumerate(zip(drafters, allocation, sizes)))
 
 
 class _TreeRun(_Run):
@@ -224,7 +237,8 @@ class _TreeRun(_Run):
         started = time.perf_counter()
         ws, params, active = self.ws, self.params, self.active
         drafts, depth = sum(allocation), max(allocation)
-        sizes = [self.expansions[i].nodes if i in self.expansions else k for i, k in enumerate(allocation) if k]
+        every = [_nodes_at(self.expansions, i, k) for i, k in enumerate(allocation)]  # each drafter's part
+        sizes = [n for n, k in zip(every, allocation) if k]
         nodes = sum(sizes)  # the tree's
         width = drafts + nodes + 1
         if width not in self.random:
@@ -238,9 +252,8 @@ class _TreeRun(_Run):
             began, offset = time.perf_counter(), sum(allocation[:i])
             history = History(self.tokens, self.length, active, self.max_length, ws.hidden, growth)
             if i in self.expansions:
-                expansion = self.expansions[i]
-                tree = drafter.expand(history, k, expansion.topk, expansion.nodes, params)
-                self._check_draft(drafter, tree, expansion.nodes)
+                tree = drafter.expand(history, k, self.expansions[i].topk, every[i], params)
+                self._check_draft(drafter, tree, every[i])
                 part = expanded_part(drafter.name, tree, k)
             else:
                 draft = drafter.propose(history, k, params, random[:, offset : offset + k])
@@ -325,7 +338,8 @@ class _TreeRun(_Run):
         if rows == 0:
             return
         stats, nodes = self.stats, sum(sizes)
-        label = _label(self.plan.drafters, allocation, self.expansions)
+        label = _label(self.plan.drafters, allocation, self.expansions,
+                       [_nodes_at(self.expansions, i, k) for i, k in enumerate(allocation)])
         stats.step_log.append(StepRecord(label if nodes else None, accepted, rows, committed, seconds))
         stats.steps += 1
         stats.row_steps += rows

@@ -143,9 +143,41 @@ class TreeBudget:
         if size <= MAX_CANDIDATES:
             self.candidates = sorted(itertools.product(*self.values), key=lambda a: (sum(a), a))
         self._contexts: OrderedDict[Hashable, _Counts] = OrderedDict()
+        self._expansions: dict[int, tuple[int, int]] = {}  # drafter -> (topk, nodes): its part is an expansion
         self._verify: dict[int, deque[float]] = {}  # node count -> seconds of the step less its proposals
         self._propose: list[dict[int, deque[float]]] = [{} for _ in self.gamma_max]  # per drafter, γ -> seconds
         self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ node counts
+    def expand(self, expansions: dict[int, tuple[int, int]]) -> None:
+        """Drafter index → ``(topk, nodes)`` for the drafters whose part of the tree is a top-k
+        expansion (SPEC.md §7): at depth γ such a part is :meth:`nodes_at` nodes, not γ. Replaces the
+        earlier call's (cost samples stay: they are keyed by node count)."""
+        checked = {}
+        for i, pair in dict(expansions).items():
+            _count(i, "drafter index", 0, len(self.gamma_max) - 1)
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"An expansion is a pair (topk, nodes); got {pair!r} for drafter {i}.")
+            checked[i] = (_count(pair[0], "topk", 1), _count(pair[1], "nodes", 1))
+        with self._lock:
+            self._expansions = checked
+
+    def nodes_at(self, drafter: int, gamma: int) -> int:
+        """Drafter ``drafter``'s nodes at depth ``gamma``: ``gamma`` for a chain; for an expansion of
+        ``(K, N)``, ``min(N, K + (γ − 1)·K²)`` (0 at γ = 0)."""
+        if drafter not in self._expansions or gamma == 0:
+            return gamma
+        topk, nodes = self._expansions[drafter]
+        return min(nodes, topk + (gamma - 1) * topk * topk)
+
+    def node_count(self, allocation: Sequence[int]) -> int:
+        """The tree's nodes for ``allocation`` (SPEC.md §7, "Cost")."""
+        allocation = self._check(allocation)
+        with self._lock:
+            return self._node_count(allocation)
+
+    def _node_count(self, allocation: Allocation) -> int:
+        return sum(self.nodes_at(i, g) for i, g in enumerate(allocation))
 
     # ------------------------------------------------------------------ estimates
     def survival(self, drafter: int, context: Hashable = None) -> list[float]:
@@ -188,7 +220,7 @@ class TreeBudget:
 
     def seconds(self, allocation: Sequence[int]) -> float:
         """The estimated seconds of a step of ``allocation``: ``cost(allocation)`` when given, else
-        ``V(N) + Σ_{γ_i > 0} P_i(γ_i)``, ``N = Σ γ_i`` (SPEC.md §7)."""
+        ``V(N) + Σ_{γ_i > 0} P_i(γ_i)``, ``N`` the tree's node count (SPEC.md §7)."""
         allocation = self._check(allocation)
         with self._lock:
             return self._seconds(allocation, {})
@@ -196,7 +228,7 @@ class TreeBudget:
     def _seconds(self, allocation: Allocation, memo: dict[Any, float]) -> float:
         if self.cost is not None:
             return _positive(self.cost(allocation), "cost(allocation)")
-        total = self._memo(memo, ("V", sum(allocation)))
+        total = self._memo(memo, ("V", self._node_count(allocation)))
         for i, g in enumerate(allocation):
             if g:
                 total += self._memo(memo, (i, g))
@@ -304,7 +336,7 @@ class TreeBudget:
                                 counts.long_reached[i][d] += 1
             counts.steps += 1
             if self.cost is None:
-                self._sample(self._verify, sum(allocation), max(seconds - sum(drafting), NEGLIGIBLE))
+                self._sample(self._verify, self._node_count(allocation), max(seconds - sum(drafting), NEGLIGIBLE))
                 for i, g in enumerate(allocation):
                     if g:
                         self._sample(self._propose[i], g, drafting[i])
