@@ -22,8 +22,11 @@
 #   NEW_TOKENS [256]               tokens per answer; MAX_CONTEXT [2048] tokens before an answer
 #   DISTILL_BATCH [64]             answers decoded together
 #   DISTILL_MINUTES [no limit]     distilling stops between shards after this long; the next run continues it
-#   DESIGNS ["last fused"]         the drafters trained: last (the last layer), fused (EAGLE-3's taps, --unroll 7);
-#                                  RESUME [0]: 1 trains each further on its schedule
+#   DESIGNS ["last fused"]         the drafters trained: last (the last layer), fused (EAGLE-3's taps, --unroll 7),
+#                                  fused-rN (fused with a rank-N fuse, --fuse-rank N); RESUME [0]: 1 trains each
+#                                  further on its schedule
+#   FUSE_RANK [full rank]          the fused design's --fuse-rank: its fuse map as a rank-R product
+#                                  (taps·hidden → R → hidden), a smaller checkpoint (SPEC.md §11.8)
 #   MINUTES [8]                    per drafter and run; STEPS_PER_RUN [6000]: one run's slice, ended by MINUTES
 #   TOTAL_STEPS [30000]            the schedule over every run; BATCH [16] and SEQ_LEN [512] of training
 #   BASELINES                      [the committed general drafter and ngram]: measured beside
@@ -56,7 +59,7 @@ else
   data=(--data "$dest/data")
 fi
 for design in "${designs[@]}"; do
-  [[ $design =~ ^(last|fused)$ ]] || { echo "DESIGNS: unknown design $design" >&2; exit 2; }
+  [[ $design =~ ^(last|fused|fused-r[1-9][0-9]*)$ ]] || { echo "DESIGNS: unknown design $design" >&2; exit 2; }
 done
 mkdir -p "$dest/ckpt"
 
@@ -72,7 +75,11 @@ train=(train-drafter --target "$target" "${data[@]}" --batch "${BATCH:-16}" --se
        --lr-layers 3e-4 --lr-head 3e-4 --steps "${STEPS_PER_RUN:-6000}" --max-minutes "${MINUTES:-8}")
 for design in "${designs[@]}"; do
   stage train || break
-  taps=(); [ $design = fused ] && taps=(--taps --unroll 7)
+  taps=()
+  case $design in
+    fused) taps=(--taps --unroll 7 ${FUSE_RANK:+--fuse-rank "$FUSE_RANK"}) ;;
+    fused-r*) taps=(--taps --unroll 7 --fuse-rank "${design#fused-r}") ;;
+  esac
   if [ "${RESUME:-0}" = 1 ] && [ -d "$dest/ckpt/$design" ]; then
     fs "${train[@]}" "${taps[@]}" --total-steps "${TOTAL_STEPS:-30000}" --resume "$dest/ckpt/$design" \
         --out "$dest/ckpt/$design.next"
