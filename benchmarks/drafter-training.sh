@@ -6,19 +6,27 @@
 # target's answers; `bench acceptance` gives tokens per step on MT-bench and HumanEval for them, the
 # committed general drafter and n-gram, chain γ ∈ {3, 5, 7}; `bench training` tabulates their cost.
 # Run it again with RESUME=1 to train both further on their schedules (the data folder is kept).
+# DATA trains on distilled folders already made instead of distilling, e.g. the one kept in the repository:
+#   STAGES="train eval" DATA=benchmarks/results/drafter-training/h100/data benchmarks/drafter-training.sh TARGET OUT
 #
 # Usage: benchmarks/drafter-training.sh TARGET OUT
-#   writes OUT/data/ (shards, manifest.json), OUT/ckpt/{last,fused}/, OUT/acceptance-{mt-bench,humaneval}/,
-#   OUT/training.{md,json}
+#   writes OUT/data/ (shards, manifest.json; not with DATA), OUT/ckpt/DESIGN/ for each of DESIGNS,
+#   OUT/acceptance-{mt-bench,humaneval}/, OUT/training.{md,json}
 # Environment (defaults in brackets):
-#   STAGES ["data train eval"]     the parts to run
+#   STAGES ["data train eval"; with DATA "train eval"]  the parts to run
+#   DATA [OUT/data]                distilled folders to train on, separated by spaces (each passed as --data);
+#                                  with DATA the data stage does not run (naming it in STAGES is an error)
 #   SHAREGPT [fetched]             the ShareGPT JSON; CORPUS [../shared/corpus]
 #   MTBENCH, HUMANEVAL             [$FLASHSPEC_MTBENCH, $FLASHSPEC_HUMANEVAL, else fetched]
 #   CONVERSATIONS [4000]           ShareGPT conversations; CORPUS_COUNT [512] corpus prompts per domain
 #   NEW_TOKENS [256]               tokens per answer; MAX_CONTEXT [2048] tokens before an answer
 #   DISTILL_BATCH [64]             answers decoded together
 #   DISTILL_MINUTES [no limit]     distilling stops between shards after this long; the next run continues it
-#   DESIGNS ["last fused"]         the drafters trained; RESUME [0]: 1 trains each further on its schedule
+#   DESIGNS ["last fused"]         the drafters trained: last (the last layer), fused (EAGLE-3's taps, --unroll 7),
+#                                  fused-rN (fused with a rank-N fuse, --fuse-rank N); RESUME [0]: 1 trains each
+#                                  further on its schedule
+#   FUSE_RANK [full rank]          the fused design's --fuse-rank: its fuse map as a rank-R product
+#                                  (taps·hidden → R → hidden), a smaller checkpoint (SPEC.md §11.8)
 #   MINUTES [8]                    per drafter and run; STEPS_PER_RUN [6000]: one run's slice, ended by MINUTES
 #   TOTAL_STEPS [30000]            the schedule over every run; BATCH [16] and SEQ_LEN [512] of training
 #   BASELINES                      [the committed general drafter and ngram]: measured beside
@@ -37,10 +45,23 @@ fs() { "$python" -m flashspec "$@"; }
 sharegpt=(); [ -n "${SHAREGPT:-}" ] && sharegpt=(--sharegpt-file "$SHAREGPT")
 mtbench=(); [ -n "${MTBENCH:-}" ] && mtbench=(--mtbench-file "$MTBENCH")
 humaneval=(); [ -n "${HUMANEVAL:-}" ] && humaneval=(--humaneval-file "$HUMANEVAL")
-mkdir -p "$dest/ckpt"
 
-stage() { [[ " ${STAGES:-data train eval} " == *" $1 "* ]]; }
+data=(); for folder in ${DATA:-}; do data+=(--data "$folder"); done
+stages=${STAGES:-$([ ${#data[@]} -gt 0 ] && echo "train eval" || echo "data train eval")}
+stage() { [[ " $stages " == *" $1 "* ]]; }
 designs=(${DESIGNS:-last fused})
+if [ ${#data[@]} -gt 0 ]; then
+  stage data && { echo "DATA names folders to train on: leave data out of STAGES" >&2; exit 2; }
+  for folder in ${DATA}; do
+    [ -f "$folder/manifest.json" ] || { echo "DATA: $folder is not a distilled folder (no manifest.json)" >&2; exit 2; }
+  done
+else
+  data=(--data "$dest/data")
+fi
+for design in "${designs[@]}"; do
+  [[ $design =~ ^(last|fused|fused-r[1-9][0-9]*)$ ]] || { echo "DESIGNS: unknown design $design" >&2; exit 2; }
+done
+mkdir -p "$dest/ckpt"
 
 # The data: made once, continued where a stopped run left it.
 stage data && fs distill --target "$target" --source mixed "${sharegpt[@]}" --conversations "${CONVERSATIONS:-4000}" \
@@ -48,13 +69,17 @@ stage data && fs distill --target "$target" --source mixed "${sharegpt[@]}" --co
     --max-new-tokens "${NEW_TOKENS:-256}" --max-context "${MAX_CONTEXT:-2048}" --no-progress \
     ${DISTILL_MINUTES:+--max-minutes "$DISTILL_MINUTES"} --out "$dest/data"
 
-# Two designs, the same minutes each, on the same data and schedule.
-train=(train-drafter --target "$target" --data "$dest/data" --batch "${BATCH:-16}" --seq-len "${SEQ_LEN:-512}"
+# The designs, the same minutes each, on the same data and schedule.
+train=(train-drafter --target "$target" "${data[@]}" --batch "${BATCH:-16}" --seq-len "${SEQ_LEN:-512}"
        --estimate-every 200
        --lr-layers 3e-4 --lr-head 3e-4 --steps "${STEPS_PER_RUN:-6000}" --max-minutes "${MINUTES:-8}")
 for design in "${designs[@]}"; do
   stage train || break
-  taps=(); [ $design = fused ] && taps=(--taps --unroll 7)
+  taps=()
+  case $design in
+    fused) taps=(--taps --unroll 7 ${FUSE_RANK:+--fuse-rank "$FUSE_RANK"}) ;;
+    fused-r*) taps=(--taps --unroll 7 --fuse-rank "${design#fused-r}") ;;
+  esac
   if [ "${RESUME:-0}" = 1 ] && [ -d "$dest/ckpt/$design" ]; then
     fs "${train[@]}" "${taps[@]}" --total-steps "${TOTAL_STEPS:-30000}" --resume "$dest/ckpt/$design" \
         --out "$dest/ckpt/$design.next"

@@ -54,6 +54,8 @@ def _design(meta: dict[str, Any]) -> str:
         parts.append(f"vocab {meta['vocab']}" if meta.get("vocab") else "full vocab")
         if meta.get("taps"):  # fused features (SPEC.md §11.8)
             parts.append(f"taps {','.join(map(str, meta['taps']))}")
+            if meta.get("fuse_rank"):
+                parts.append(f"fuse rank {meta['fuse_rank']}")
     if meta.get("kind") == "feature":
         parts.append(f"unroll {options.get('unroll', 1)}, feature loss {options.get('feature_weight', 0):g}")
     return ", ".join(parts)

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..checks import check_int
 from ..data.sharegpt import PACKAGE
 from ..models.loading import DTYPES
 from .options import add_device, add_progress, add_target, add_tokenizer
@@ -87,6 +88,9 @@ def add_parsers(sub: Any) -> None:
                        help="feature: fuse the outputs of these target decoder layers (0-based, e.g. 1,13,24) "
                             "instead of reading its last layer (EAGLE-3); --taps alone: EAGLE-3's low, middle "
                             "and high layers 1, L/2-1, L-4 (default: the last layer only)")
+    train.add_argument("--fuse-rank", type=int, default=None, metavar="R",
+                       help="feature with --taps: fuse the tapped layers through R dimensions, a rank-R product "
+                            "taps*hidden -> R -> hidden, for a smaller checkpoint (default: one full-rank matrix)")
     train.add_argument("--max-minutes", type=float, default=None, help="stop training after this long (default: no limit)")
     add_device(train)
     train.set_defaults(run=train_drafter)
@@ -147,7 +151,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 def train_drafter(args: argparse.Namespace) -> None:
     """Train a drafter made from ``--target`` on ``--data`` and save it to ``--out``."""
     from ..drafters.checkpoint import load_head, save_drafter
-    from ..drafters.feature import default_taps
+    from ..drafters.fusion import check_fuse_rank, default_taps
     from ..engine import SpeculativeEngine
     from ..training.data import check_data, training_chunks
     from ..training.train import (
@@ -159,10 +163,16 @@ def train_drafter(args: argparse.Namespace) -> None:
 
     layers = args.layers if args.layers is not None else (1 if args.kind == "feature" else 2)
     taps = _taps(args.taps)
+    if args.fuse_rank is not None:
+        if taps is None:
+            raise ValueError("--fuse-rank R makes the map that fuses the tapped layers a rank-R product: give "
+                             "--taps too (fused features).")
+        check_int("--fuse-rank", args.fuse_rank, 1)
     options = TrainOptions(layers=layers, shared_layers=args.shared_layers, head_width=args.head_width,
                            width=args.width, heads=args.heads, draft_vocab=args.draft_vocab, rank=args.rank,
                            unroll=args.unroll, feature_weight=args.feature_weight,
                            taps=None if taps == "eagle3" else taps,
+                           fuse_rank=None if taps == "eagle3" else args.fuse_rank,  # EAGLE-3's taps: set below
                            steps=args.steps, batch=args.batch, seq_len=args.seq_len,
                            lr_layers=args.lr_layers, lr_head=args.lr_head, hard_labels=args.hard_labels,
                            seed=args.seed, estimate_every=args.estimate_every,
@@ -170,8 +180,6 @@ def train_drafter(args: argparse.Namespace) -> None:
     if args.rank is not None and args.base is None:
         raise ValueError("--rank trains a low-rank delta over a base drafter: give --base DIR too.")
     if args.total_steps is not None:
-        from ..checks import check_int
-
         check_int("--total-steps", args.total_steps, 1)
     if args.resume and args.base:
         raise ValueError("--resume continues a drafter on its own schedule and --base starts a new one from it: "
@@ -186,11 +194,13 @@ def train_drafter(args: argparse.Namespace) -> None:
     if engine.tokenizer is None:
         raise ValueError("Training reads text: give --tokenizer (none could be loaded with the target).")
     if taps == "eagle3":
-        options = replace(options, taps=default_taps(engine.target.config.num_hidden_layers))
+        options = replace(options, taps=default_taps(engine.target.config.num_hidden_layers),
+                          fuse_rank=args.fuse_rank)
     if args.resume:
         options = _resumed(options, args.resume, args.total_steps)
     elif args.total_steps is not None:
         options = replace(options, schedule_steps=args.total_steps)
+    check_fuse_rank(options.fuse_rank, options.taps, engine.target.config.hidden_size, "--fuse-rank")
     start = args.resume or args.base
     base = load_head(start, engine.target, args.kind) if start else None
     from ..paths import cache_dir
@@ -237,7 +247,12 @@ def _resumed(options: Any, folder: str, total: int | None) -> Any:
                          f"--total-steps larger than {position} to train it further.")
     if taps := record.get("options", {}).get("taps"):
         options = replace(options, taps=tuple(taps))
-    return replace(options, schedule_steps=total, start_step=position)
+    rank = read_meta(Path(folder)).get("fuse_rank")  # its fuse as it is (SPEC.md §11.8)
+    if options.fuse_rank is not None and options.fuse_rank != rank:
+        raise ValueError(f"--fuse-rank {options.fuse_rank} differs from the drafter's in {folder} "
+                         f"({rank or 'full rank'}): a drafter trained further keeps its fuse; leave --fuse-rank out "
+                         "with --resume.")
+    return replace(options, schedule_steps=total, start_step=position, fuse_rank=rank)
 
 
 def _taps(value: str | None) -> tuple[int, ...] | str | None:

@@ -1,8 +1,9 @@
 """Drafter checkpoints (SPEC.md §11): ``drafter.safetensors`` holds only the trainable part,
-``drafter.json`` its kind and size (a fused-feature drafter's ``taps`` too), the target it belongs
-to and a checksum of the target tensors it shares, so that loading it onto another target is a
-clear error. Matrices are stored as int8 rows with a scale each unless asked otherwise; a
-per-domain drafter may be a low-rank delta over a base checkpoint (:mod:`flashspec.drafters.low_rank`)."""
+``drafter.json`` its kind and size (a fused-feature drafter's ``taps`` and ``fuse_rank`` too), the
+target it belongs to and a checksum of the target tensors it shares, so that loading it onto
+another target is a clear error. Matrices are stored as int8 rows with a scale each unless asked
+otherwise; a per-domain drafter may be a low-rank delta over a base checkpoint
+(:mod:`flashspec.drafters.low_rank`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..checks import brief
+from ..checks import brief, is_int
 from .feature import FeatureHead
 from .low_rank import low_rank_factors, merge_low_rank
 from .shallow import ShallowHead
@@ -185,8 +186,13 @@ def load_head(path: str | Path, target: Any, kind: str | None = None) -> Any:
         head: Any = ShallowHead(target.config, shared, int(meta["layers"]), int(meta["head_width"]))
     else:
         vocab = tensors.get("vocab")
+        rank = meta.get("fuse_rank")  # a factored fuse (SPEC.md §11.8); absent or None: full rank
+        if rank is not None and (taps is None or not is_int(rank) or not 1 <= rank <= target.config.hidden_size):
+            raise ValueError(f"The drafter in {str(folder)!r} records fuse_rank {rank!r} with taps {taps!r}: a fuse "
+                             f"rank is an integer from 1 to the hidden size {target.config.hidden_size} of a drafter "
+                             "with taps (an edited or foreign drafter.json).")
         head = FeatureHead(target.config, int(meta["layers"]), meta.get("width"), meta.get("heads"), vocab,
-                           None if taps is None else tuple(taps))
+                           None if taps is None else tuple(taps), rank)
     try:
         head.load_state_dict(tensors)
     except Exception as error:  # noqa: BLE001 - a truncated or foreign file

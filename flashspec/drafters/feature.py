@@ -32,41 +32,12 @@ from ..models.tree import tree_layers
 from ..sampling import SamplingParams
 from .base import Draft, History, Seen, autoregress, autoregress_chunks, draw
 from .expansion import ExpandedDraft, Step, expand_tree
+from .fusion import check_fuse_rank, check_taps, default_taps, fuse_map, tapped_layers
 
 __all__ = ["FeatureDrafter", "FeatureHead", "SubsetHead", "check_taps", "decoder_layer", "default_taps",
            "draw_in_subset", "tapped_layers", "window_widths"]
 
 PREFIX = "feature:"
-
-
-def default_taps(layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low, middle and high taps for a target of ``layers`` decoder layers: the outputs
-    of layers ``1, L//2 − 1, L − 4`` (0-based), i.e. the inputs of layers ``2, L//2, L − 3`` where
-    the reference code reads them. Clamped to the layers there are and deduplicated (a target of
-    fewer than 8 layers gets fewer or closer taps)."""
-    check_int("layers", layers, 1)
-    return tuple(sorted({min(1, layers - 1), max(layers // 2 - 1, 0), max(layers - 4, 0)}))
-
-
-def check_taps(taps: Any, layers: int) -> tuple[int, ...]:
-    """``taps`` as a tuple if it holds distinct decoder-layer indices in ``[0, layers)`` (index
-    ``i``: the output of layer ``i``, 0-based, before the final norm), else ``ValueError``."""
-    try:
-        taps = tuple(taps)
-    except TypeError:
-        raise ValueError(f"taps must be a sequence of decoder-layer indices; got {taps!r}.") from None
-    if not taps or len(set(taps)) != len(taps):
-        raise ValueError(f"taps must hold one or more distinct decoder-layer indices; got {list(taps)}.")
-    for tap in taps:
-        check_int("each tap", tap, 0, layers - 1, upto=f"{layers - 1} (the target has {layers} decoder layers)")
-    return tuple(int(t) for t in taps)
-
-
-def tapped_layers(taps: tuple[int, ...] | None, layers: int) -> tuple[int, ...]:
-    """The layer counts ``n`` whose outputs a head with ``taps`` reads over a target of ``layers``
-    decoder layers (the keys of ``History.hidden``: the output of the first ``n`` layers): tap
-    ``i`` is ``n = i + 1``; without taps, the last layer's, ``n = layers``."""
-    return (layers,) if taps is None else tuple(t + 1 for t in taps)
 
 
 class FeatureHead(nn.Module):
@@ -81,14 +52,18 @@ class FeatureHead(nn.Module):
     Fused features (SPEC.md §11, EAGLE-3): ``taps`` (decoder-layer indices of the target, 0-based,
     e.g. :func:`default_taps`) makes the feature the drafter starts from ``fuse([h_a; h_b; …])``,
     a ``len(taps)·hidden → hidden`` map (no bias, so a zero feature stays zero) of those layers'
-    outputs; ``fc`` is unchanged. Without taps there is no ``fuse`` and the feature is the last
-    layer's, as in checkpoints made before taps existed."""
+    outputs; ``fc`` is unchanged. ``fuse_rank`` ``R`` makes ``fuse`` the product of two thin maps,
+    ``len(taps)·hidden → R → hidden`` (:class:`~flashspec.drafters.fusion.FactoredLinear`; default:
+    one full-rank matrix). Without taps there is no ``fuse`` and the feature is the last layer's, as
+    in checkpoints made before taps existed."""
 
     def __init__(self, config: Any, layers: int = 1, width: int | None = None, heads: int | None = None,
-                 vocab: torch.Tensor | None = None, taps: tuple[int, ...] | None = None) -> None:
+                 vocab: torch.Tensor | None = None, taps: tuple[int, ...] | None = None,
+                 fuse_rank: int | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.taps = None if taps is None else check_taps(taps, config.num_hidden_layers)
+        self.fuse_rank = check_fuse_rank(fuse_rank, self.taps, hidden)
         self.config = copy.deepcopy(config)
         self.config.num_hidden_layers = layers
         if hasattr(self.config, "layer_types") and self.config.layer_types is not None:
@@ -106,7 +81,7 @@ class FeatureHead(nn.Module):
             self.config.num_key_value_heads = min(kv, heads)
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layers = nn.ModuleList(decoder_layer(self.config, i) for i in range(layers))
-        self.fuse = None if self.taps is None else nn.Linear(len(self.taps) * hidden, hidden, bias=False)
+        self.fuse = None if self.taps is None else fuse_map(len(self.taps), hidden, self.fuse_rank)
         if vocab is not None:
             vocab = torch.as_tensor(vocab, dtype=torch.long).flatten()
             size = config.vocab_size
@@ -122,7 +97,7 @@ class FeatureHead(nn.Module):
         return {"layers": len(self.layers), "width": self.config.intermediate_size,
                 "heads": self.config.num_attention_heads,
                 "vocab": None if self.vocab is None else int(self.vocab.numel()),
-                "taps": None if self.taps is None else list(self.taps)}
+                "taps": None if self.taps is None else list(self.taps), "fuse_rank": self.fuse_rank}
 
     def draft_model(self, target: nn.Module) -> nn.Module:
         """A model of the target's class whose decoder layers are this head's and whose embedding,

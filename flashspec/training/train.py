@@ -62,11 +62,13 @@ class TrainOptions:
     # the last layer, 0 with taps (a fused feature has no true value to regress to: EAGLE-3)
     feature_weight: float | None = None
     taps: tuple[int, ...] | None = None  # feature: fuse these target layers' outputs (0-based; SPEC.md §11)
+    fuse_rank: int | None = None  # feature with taps: fuse as a rank-R product (None: a full-rank matrix)
     schedule_steps: int | None = None  # the learning-rate schedule's length over every run (default: steps)
     start_step: int = 0  # the schedule's steps done by earlier runs (train-drafter --resume)
 
     def __post_init__(self) -> None:
-        optional = ("shared_layers", "head_width", "width", "heads", "draft_vocab", "rank", "schedule_steps")
+        optional = ("shared_layers", "head_width", "width", "heads", "draft_vocab", "rank", "schedule_steps",
+                    "fuse_rank")
         for name in ("layers", "steps", "batch", "seq_len", "estimate_every", "unroll", *optional):
             value = getattr(self, name)
             if value is None and name in optional:
@@ -86,6 +88,9 @@ class TrainOptions:
             if self.feature_weight:
                 raise ValueError("feature_weight is for drafters on the target's last layer: a fused feature (taps) "
                                  "has no true value to regress to (EAGLE-3 trains on tokens only); leave it unset.")
+        if self.fuse_rank is not None and self.taps is None:
+            raise ValueError(f"fuse_rank sets the rank of the map that fuses the tapped layers: give taps too "
+                             f"(fused features); got fuse_rank {self.fuse_rank} without taps.")
         if self.unroll >= self.seq_len:
             raise ValueError(f"unroll ({self.unroll}) must be smaller than seq_len ({self.seq_len}).")
         check_flag("hard_labels", self.hard_labels)
@@ -269,10 +274,11 @@ def estimate_acceptance(head: Any, target: Any, chunks: torch.Tensor, batch: int
 def new_head(kind: str, target: Any, options: TrainOptions, vocab: torch.Tensor | None = None) -> Any:
     """An untrained head of ``kind`` for ``target``, on its device and dtype."""
     if kind == "feature":
-        head = FeatureHead(target.config, options.layers, options.width, options.heads, vocab, options.taps)
+        head = FeatureHead(target.config, options.layers, options.width, options.heads, vocab, options.taps,
+                           options.fuse_rank)
     elif kind == "shallow":
-        if options.taps is not None:
-            raise ValueError("taps (fused features) are an option of the feature drafter only.")
+        if options.taps is not None or options.fuse_rank is not None:
+            raise ValueError("taps and fuse_rank (fused features) are options of the feature drafter only.")
         shared = options.shared_layers or max(1, target.config.num_hidden_layers // 4)
         head = ShallowHead(target.config, shared, options.layers, options.head_width)
     else:
@@ -304,6 +310,9 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     if base is not None and options.taps is not None and options.taps != getattr(base, "taps", None):
         raise ValueError(f"taps {list(options.taps)} differ from the base drafter's {getattr(base, 'taps', None)}: "
                          "a drafter trained further keeps its base's taps.")
+    if base is not None and options.fuse_rank is not None and options.fuse_rank != getattr(base, "fuse_rank", None):
+        raise ValueError(f"fuse_rank {options.fuse_rank} differs from the base drafter's "
+                         f"{getattr(base, 'fuse_rank', None)}: a drafter trained further keeps its base's fuse.")
     if base is not None:
         head = base
         if options.rank is not None:

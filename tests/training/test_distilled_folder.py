@@ -287,6 +287,40 @@ def test_the_command_writes_a_folder_continues_it_and_trains_on_it(sharegpt, tmp
     assert record["training"]["tokens"] == 2 * 2 * 16
 
 
+def test_train_drafter_trains_on_several_distilled_folders(sharegpt, tmp_path, capsys, monkeypatch):
+    """``train-drafter --data A --data B``: two folders made apart (other options, one without an
+    estimate part) train together on A's windows then B's, and estimate on their estimate parts."""
+    from chat_tokenizer import save_tiny_chat_pair
+
+    from flashspec.cli import main
+
+    monkeypatch.setenv("FLASHSPEC_CACHE", str(tmp_path / "cache"))
+    target_dir, _ = save_tiny_chat_pair(tmp_path)
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for folder, conversations, turns in zip(folders, ("5", "3"), ("2", "1")):
+        assert main(["distill", "--target", str(target_dir), "--source", "sharegpt", "--sharegpt-file", str(sharegpt),
+                     "--conversations", conversations, "--max-turns", turns, "--max-context", "150",
+                     "--max-new-tokens", "4", "--batch", "4", "--device", "cpu", "--dtype", "float32",
+                     "--out", str(folder), "--no-progress"]) == 0, capsys.readouterr().err
+    assert not list(load_distilled(folders[1], "estimate"))  # B: its 3 conversations all train
+    each = [distilled_chunks(folder, 16) for folder in folders]
+    assert len(each[0][0]) and len(each[1][0])
+    both = training_chunks(folders, RoleChatTokenizer(), 16)
+    assert torch.equal(both[0], torch.cat([e[0] for e in each]))
+    assert torch.equal(both[1], torch.cat([e[1] for e in each]))
+    estimate = training_chunks(folders, RoleChatTokenizer(), 16, "estimate")
+    assert torch.equal(estimate[0], distilled_chunks(folders[0], 16, "estimate")[0])
+    capsys.readouterr()
+    rc = main(["train-drafter", "--target", str(target_dir), "--data", str(folders[0]), "--data", str(folders[1]),
+               "--out", str(tmp_path / "drafter"), "--steps", "2", "--batch", "2", "--seq-len", "16",
+               "--estimate-every", "1", "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    sequences = sum(len(e[0]) for e in each)
+    assert f"training on {16 * sequences:,} tokens ({sequences} sequences of 16" in capsys.readouterr().out
+    record = json.loads((tmp_path / "drafter" / "drafter.json").read_text())
+    assert record["training"]["tokens"] == 2 * 2 * 16 and record["training"]["estimates"]
+
+
 def test_conversations_that_quote_an_evaluation_set_are_left_out(target, tmp_path, monkeypatch):
     """MT-bench and HumanEval are never trained on: a ShareGPT conversation whose user turn holds
     an MT-bench turn is dropped before the target answers it, and the manifest counts it."""
