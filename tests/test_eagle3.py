@@ -346,14 +346,17 @@ def test_an_export_loads_in_speculators_and_computes_the_same_logits(tmp):
 
 
 def test_flashspec_feature_drafters_are_not_exported(tmp, capsys):
-    """FlashSpec's fc([g; e]) → standard layer is not EAGLE-3's layer: no exact export exists."""
+    """FlashSpec's fc([g; e]) → standard layer is not EAGLE-3's layer: no exact export exists, and
+    the refusal names the way to a head vLLM and SGLang load (train-drafter --layout eagle3)."""
     from flashspec.drafters.checkpoint import save_drafter
 
     target = target_model()
     folder = Path(tmp) / "feature"
     save_drafter(flashspec.FeatureHead(target.config, 1, taps=default_taps(LAYERS)), target, folder)
     assert main(["export-drafter", str(folder), "--to", "eagle3", "--out", str(Path(tmp) / "nope")]) == 2
-    assert "not EAGLE-3's" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not EAGLE-3's" in err and "--layout eagle3" in err
+    assert not (Path(tmp) / "nope").exists()
 
 
 def test_what_a_layout_cannot_express_is_refused(tmp):

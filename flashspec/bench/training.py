@@ -33,7 +33,7 @@ def read_record(path: str | Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or "training" not in meta:
         raise ValueError(f"{meta_path} holds no training record: it was not written by flashspec train-drafter.")
     meta["name"] = path.name if path.is_dir() else path.stem
-    weights = path / "drafter.safetensors"
+    weights = path / meta.get("weights", "drafter.safetensors")  # an EAGLE-3 head's: model.safetensors
     if path.is_dir() and weights.is_file():
         meta["bytes"] = weights.stat().st_size  # older records do not say
     return meta
@@ -43,6 +43,10 @@ def _design(meta: dict[str, Any]) -> str:
     options = meta["training"].get("options", {})
     if meta.get("base") is not None:
         return f"rank-{meta.get('rank')} delta over {Path(meta['base']['path']).name}"
+    if meta.get("kind") == "eagle3":  # train-drafter --layout eagle3 (SPEC.md §11.9)
+        vocab = f"vocab {meta['draft_vocab']}" if meta.get("draft_vocab") else "full vocab"
+        return (f"EAGLE-3 layer, MLP {meta.get('width')}, {meta.get('heads')} heads, {vocab}, taps "
+                f"{','.join(map(str, meta.get('taps') or []))}, unroll {options.get('unroll', 1)}")
     parts = [f"{meta.get('layers')} layer{'s' if meta.get('layers') != 1 else ''}"]
     if meta.get("kind") == "shallow":
         parts.insert(0, f"target's first {meta.get('shared_layers')} +")

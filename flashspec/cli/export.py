@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..drafters.checkpoint import read_meta
-from ..drafters.eagle3_formats import LAYOUTS, read_eagle3, write_eagle3
+from ..drafters.eagle3_formats import KIND, LAYOUTS, read_eagle3, write_eagle3
 
 __all__ = ["add_parsers", "export_drafter"]
 
@@ -18,7 +18,8 @@ NOT_EAGLE3 = ("{folder!r} holds a FlashSpec {kind} drafter. Its layer is not EAG
               "where EAGLE-3's attention reads [input_layernorm(e); hidden_norm(g)] through 2·hidden-wide "
               "q/k/v projections and its residual starts from g. RMSNorm of a mix of g and e is no linear "
               "map of the two normed halves, so no exact EAGLE-3 weights exist and it is not exported. "
-              "export-drafter rewrites EAGLE-3 heads between the EAGLE and speculators layouts.")
+              "export-drafter rewrites EAGLE-3 heads between the EAGLE and speculators layouts; for vLLM or "
+              "SGLang, train one with flashspec train-drafter --layout eagle3.")
 
 
 def add_parsers(sub: Any) -> None:
@@ -26,20 +27,24 @@ def add_parsers(sub: Any) -> None:
         "export-drafter", help="write an EAGLE-3 head in the EAGLE/SpecForge or speculators layout",
         description="Rewrite the EAGLE-3 head in DIR (either layout) in the layout --to names: the same "
                     "tensors, so it drafts exactly as before. What the layout cannot express is refused.")
-    parser.add_argument("source", metavar="DIR", help="an EAGLE-3 head: EAGLE/SpecForge or speculators layout")
+    parser.add_argument("source", metavar="DIR", help="an EAGLE-3 head: EAGLE/SpecForge or speculators layout, or "
+                                                      "one flashspec train-drafter --layout eagle3 wrote")
     parser.add_argument("--to", required=True, choices=LAYOUTS,
                         help="eagle3: EAGLE/SpecForge; speculators: Eagle3Speculator")
     parser.add_argument("--out", required=True, metavar="OUT", help="the folder to write (created if missing)")
     parser.add_argument("--verifier", default=None, metavar="MODEL",
                         help="the target's hub id or folder, recorded in a speculators config "
-                             "(needed --to speculators unless DIR records one)")
+                             "(needed --to speculators unless DIR records one, as a head train-drafter wrote does)")
     parser.set_defaults(run=export_drafter)
 
 
 def export_drafter(args: argparse.Namespace) -> None:
+    """Write the EAGLE-3 head in ``args.source`` (either layout, or one ``train-drafter --layout
+    eagle3`` wrote) in the layout ``args.to`` names."""
     source, out = Path(args.source), Path(args.out)
-    if (source / "drafter.json").is_file():
-        raise ValueError(NOT_EAGLE3.format(folder=str(source), kind=read_meta(source).get("kind", "")))
+    kind = read_meta(source).get("kind", "") if (source / "drafter.json").is_file() else None
+    if kind is not None and kind != KIND:  # FlashSpec's own layouts; its EAGLE-3 heads export as they are
+        raise ValueError(NOT_EAGLE3.format(folder=str(source), kind=kind))
     if out.exists() and out.resolve() == source.resolve():
         raise ValueError("--out must be another folder than DIR.")
     ckpt = read_eagle3(source)

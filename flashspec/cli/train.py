@@ -24,7 +24,11 @@ TRAIN_EXAMPLE = """example:
 It writes OUT/drafter.safetensors (the drafter's own weights, int8 rows by default) and
 OUT/drafter.json (its kind, sizes, the target it belongs to and its training record: losses,
 acceptance estimates, tokens, seconds). Use it as --draft feature:OUT (or shallow:OUT).
---data also takes a folder that flashspec distill --out DIR made."""
+--data also takes a folder that flashspec distill --out DIR made.
+
+With --layout eagle3 it trains an EAGLE-3 head and writes OUT as an EAGLE-3 checkpoint
+(config.json, model.safetensors) beside drafter.json: --draft eagle3:OUT here, the folder as it
+is for vLLM or SGLang, flashspec export-drafter OUT --to speculators for speculators."""
 
 DISTILL_EXAMPLE = """example:
   flashspec distill --target T --source sharegpt --conversations 2000 --max-turns 4 --out data/sharegpt
@@ -44,6 +48,10 @@ def add_parsers(sub: Any) -> None:
     train.add_argument("--kind", default="feature", choices=["feature", "shallow"],
                        help="feature: fc[target feature; next embedding] -> decoder layers -> the target's head; "
                             "shallow: the target's first layers -> adapter layers -> MLP -> the target's head")
+    train.add_argument("--layout", default="flashspec", choices=["flashspec", "eagle3"],
+                       help="feature: flashspec (fc into a decoder layer of the target's class) or eagle3 "
+                            "(EAGLE-3's layer over three taps, saved as an EAGLE-3 checkpoint that vLLM, SGLang "
+                            "and export-drafter take; use it as eagle3:OUT)")
     train.add_argument("--data", action="append", required=True,
                        help="a text file (.txt or .xz; repeatable): its first 90 %% trains, the next 5 %% "
                             "estimates acceptance, the last 5 %% is never read; or a folder flashspec distill made "
@@ -63,8 +71,9 @@ def add_parsers(sub: Any) -> None:
                        help="a trained drafter folder to start from (e.g. a general one, for a per-domain drafter)")
     train.add_argument("--rank", type=int, default=None,
                        help="with --base: train and save only a low-rank delta of this rank over it")
-    train.add_argument("--storage", default="int8", choices=["int8", "same"],
-                       help="int8 (default): matrices as int8 rows with a scale each; same: the training dtype")
+    train.add_argument("--storage", default=None, choices=["int8", "same"],
+                       help="int8 (default; --layout eagle3: same only): matrices as int8 rows with a scale each; "
+                            "same: the training dtype")
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--total-steps", type=int, default=None,
                        help="the learning-rate schedule's length over several runs (default: --steps); later runs "
@@ -87,7 +96,8 @@ def add_parsers(sub: Any) -> None:
     train.add_argument("--taps", nargs="?", const="eagle3", default=None, metavar="I,J,K",
                        help="feature: fuse the outputs of these target decoder layers (0-based, e.g. 1,13,24) "
                             "instead of reading its last layer (EAGLE-3); --taps alone: EAGLE-3's low, middle "
-                            "and high layers 1, L/2-1, L-4 (default: the last layer only)")
+                            "and high layers 1, L/2-1, L-4 (default: the last layer only; --layout eagle3: three "
+                            "layers, EAGLE-3's by default)")
     train.add_argument("--fuse-rank", type=int, default=None, metavar="R",
                        help="feature with --taps: fuse the tapped layers through R dimensions, a rank-R product "
                             "taps*hidden -> R -> hidden, for a smaller checkpoint (default: one full-rank matrix)")
@@ -150,10 +160,10 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def train_drafter(args: argparse.Namespace) -> None:
     """Train a drafter made from ``--target`` on ``--data`` and save it to ``--out``."""
-    from ..drafters.checkpoint import load_head, save_drafter
     from ..drafters.fusion import check_fuse_rank, default_taps
     from ..engine import SpeculativeEngine
     from ..training.data import check_data, training_chunks
+    from ..training.eagle3_head import check_eagle3_options, check_trained_eagle3, eagle3_taps
     from ..training.train import (
         TrainOptions,
         continued_record,
@@ -161,8 +171,19 @@ def train_drafter(args: argparse.Namespace) -> None:
         train_head,
     )
 
+    eagle3 = args.layout == "eagle3"
+    if eagle3 and args.kind != "feature":
+        raise ValueError("--layout eagle3 trains an EAGLE-3 head, a drafter of --kind feature only (it reads the "
+                         "target's features).")
+    if eagle3 and args.storage == "int8":
+        raise ValueError("--storage int8 is FlashSpec's own format: an EAGLE-3 checkpoint (--layout eagle3) is read by "
+                         "vLLM, SGLang and speculators, which load plain tensors; leave --storage out.")
+    kind = "eagle3" if eagle3 else args.kind
     layers = args.layers if args.layers is not None else (1 if args.kind == "feature" else 2)
     taps = _taps(args.taps)
+    if eagle3 and args.fuse_rank is not None:
+        raise ValueError("--fuse-rank factors FlashSpec's fuse map; an EAGLE-3 head's fc over its three taps is "
+                         "what vLLM, SGLang and speculators read (--layout eagle3): leave --fuse-rank out.")
     if args.fuse_rank is not None:
         if taps is None:
             raise ValueError("--fuse-rank R makes the map that fuses the tapped layers a rank-R product: give "
@@ -177,6 +198,10 @@ def train_drafter(args: argparse.Namespace) -> None:
                            lr_layers=args.lr_layers, lr_head=args.lr_head, hard_labels=args.hard_labels,
                            seed=args.seed, estimate_every=args.estimate_every,
                            max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)  # checked first
+    if eagle3:
+        check_eagle3_options(options)
+        if args.resume or args.base:
+            check_trained_eagle3(args.resume or args.base)
     if args.rank is not None and args.base is None:
         raise ValueError("--rank trains a low-rank delta over a base drafter: give --base DIR too.")
     if args.total_steps is not None:
@@ -193,8 +218,9 @@ def train_drafter(args: argparse.Namespace) -> None:
                                dtype=DTYPES[args.dtype] if args.dtype else None)
     if engine.tokenizer is None:
         raise ValueError("Training reads text: give --tokenizer (none could be loaded with the target).")
-    if taps == "eagle3":
-        options = replace(options, taps=default_taps(engine.target.config.num_hidden_layers),
+    depth = engine.target.config.num_hidden_layers
+    if taps == "eagle3" or (eagle3 and taps is None and not (args.resume or args.base)):  # a base keeps its taps
+        options = replace(options, taps=eagle3_taps(depth) if eagle3 else default_taps(depth),
                           fuse_rank=args.fuse_rank)
     if args.resume:
         options = _resumed(options, args.resume, args.total_steps)
@@ -202,7 +228,7 @@ def train_drafter(args: argparse.Namespace) -> None:
         options = replace(options, schedule_steps=args.total_steps)
     check_fuse_rank(options.fuse_rank, options.taps, engine.target.config.hidden_size, "--fuse-rank")
     start = args.resume or args.base
-    base = load_head(start, engine.target, args.kind) if start else None
+    base = _load(kind, start, engine.target) if start else None
     from ..paths import cache_dir
 
     tokens = cache_dir() / "tokens"  # each data file tokenized once, for every drafter trained on it
@@ -213,23 +239,42 @@ def train_drafter(args: argparse.Namespace) -> None:
           f"{int(mask[:, 1:].sum()):,} of them targets of the loss); acceptance estimated on {estimate.numel():,}")
     eos = engine.target.generation_config.eos_token_id
     always = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    head, log = train_head(args.kind, engine.target, chunks, options, estimate=estimate, base=base, always=always,
+    head, log = train_head(kind, engine.target, chunks, options, estimate=estimate, base=base, always=always,
                            mask=mask, estimate_mask=estimate_mask)
     delta = args.rank is not None
     if start and not delta:  # the whole drafter trained further: a new full checkpoint, its history kept
         log["before"] = continued_record(start)
-    out = save_drafter(head, engine.target, args.out, log, storage=args.storage, base=args.base if delta else None)
-    saved = estimate_acceptance(load_head(out, engine.target, args.kind), engine.target, estimate, options.batch,
-                                estimate_mask)
+    out = _save(kind, head, engine.target, args.out, log, args.storage or "int8", args.base if delta else None)
+    saved = estimate_acceptance(_load(kind, out, engine.target), engine.target, estimate, options.batch, estimate_mask)
     record = json.loads((out / "drafter.json").read_text())
     record["training"]["alpha1_saved"] = saved[0]  # the checkpoint as saved (int8 rows, merged deltas)
     record["training"]["alpha_saved"] = saved
     (out / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
-    size = (out / "drafter.safetensors").stat().st_size
+    size = (out / record.get("weights", "drafter.safetensors")).stat().st_size
     last = "/".join(f"{a:.3f}" for a in log["estimates"][-1]["alpha"]) if log["estimates"] else "?"
+    hand = (f"; for vLLM or SGLang the folder as it is, or flashspec export-drafter {out} --to speculators"
+            if eagle3 else "")
     print(f"saved {out} ({size / 1e6:.1f} MB) after {log['seconds']:.0f} s, {log['tokens']:,} tokens; "
           f"final loss {log['loss'][-1]:.3f}, α by draft depth {last} (as saved: {'/'.join(f'{a:.3f}' for a in saved)}); "
-          f"use it as --draft {args.kind}:{out}")
+          f"use it as --draft {kind}:{out}{hand}")
+
+
+def _load(kind: str, folder: str | Path, target: Any) -> Any:
+    """The trained head of ``kind`` in ``folder``, for ``target``."""
+    from ..drafters.checkpoint import load_head
+    from ..training.eagle3_head import load_trained_eagle3
+
+    return load_trained_eagle3(folder, target) if kind == "eagle3" else load_head(folder, target, kind)
+
+
+def _save(kind: str, head: Any, target: Any, out: str, log: dict, storage: str, base: str | None) -> Path:
+    """Write ``head`` to ``out``: an EAGLE-3 checkpoint for kind ``eagle3``, else FlashSpec's."""
+    from ..drafters.checkpoint import save_drafter
+    from ..training.eagle3_head import save_eagle3_head
+
+    if kind == "eagle3":
+        return save_eagle3_head(head, target, out, log)
+    return save_drafter(head, target, out, log, storage=storage, base=base)
 
 
 def _resumed(options: Any, folder: str, total: int | None) -> Any:

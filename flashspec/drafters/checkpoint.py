@@ -21,7 +21,7 @@ from .low_rank import low_rank_factors, merge_low_rank
 from .shallow import ShallowHead
 
 __all__ = ["FORMAT", "KINDS", "file_sha256", "load_feature_head", "load_head", "read_meta", "read_tensors",
-           "save_drafter", "shared_checksum"]
+           "save_drafter", "shared_checksum", "target_record"]
 
 KINDS = ("feature", "shallow")
 FORMAT = 1
@@ -42,7 +42,9 @@ def shared_checksum(target: Any, shared_layers: int = 0) -> str:
     return digest.hexdigest()
 
 
-def _target_record(target: Any, shared_layers: int = 0) -> dict[str, Any]:
+def target_record(target: Any, shared_layers: int = 0) -> dict[str, Any]:
+    """What a checkpoint records of the target it belongs to: its type, sizes, name and the
+    :func:`shared_checksum` of the tensors shared."""
     config = target.config
     return {"model_type": config.model_type, "hidden_size": config.hidden_size,
             "num_hidden_layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
@@ -112,7 +114,7 @@ def save_drafter(head: Any, target: Any, out_dir: str | Path, log: dict | None =
     save_file(_quantized(tensors) if storage == "int8" else tensors, str(out / "drafter.safetensors"))
     shared = getattr(head, "shared_layers", 0)
     record: dict[str, Any] = {"format": FORMAT, "kind": _kind(head), "layers": len(head.layers),
-                              "target": _target_record(target, shared), "storage": storage,
+                              "target": target_record(target, shared), "storage": storage,
                               "dtype": str(next(head.parameters()).dtype).removeprefix("torch."),
                               "bytes": (out / "drafter.safetensors").stat().st_size}
     if isinstance(head, ShallowHead):
@@ -155,6 +157,9 @@ def load_head(path: str | Path, target: Any, kind: str | None = None) -> Any:
     weights), is a ValueError. A delta checkpoint loads its base first and adds its deltas."""
     folder = Path(path)
     meta = read_meta(folder)
+    if meta.get("kind") == "eagle3":
+        raise ValueError(f"{str(folder)!r} holds an EAGLE-3 head (train-drafter --layout eagle3): load it as "
+                         "'eagle3:DIR'.")
     if meta.get("format") != FORMAT or meta.get("kind") not in KINDS or kind not in (None, meta.get("kind")):
         raise ValueError(f"{str(folder)!r} holds a {meta.get('kind')!r} drafter of format {meta.get('format')!r}; "
                          f"expected {kind or ' or '.join(KINDS)} of format {FORMAT}.")
@@ -169,7 +174,7 @@ def load_head(path: str | Path, target: Any, kind: str | None = None) -> Any:
         merge_low_rank(head, read_tensors(folder))
         return head
     shared = int(meta.get("shared_layers", 0))
-    mine, theirs = _target_record(target, shared), meta.get("target", {})
+    mine, theirs = target_record(target, shared), meta.get("target", {})
     for key in ("model_type", "hidden_size", "vocab_size", "shared_sha256"):
         if mine[key] != theirs.get(key):
             what = "its shared weights differ" if key == "shared_sha256" else f"{key} {theirs.get(key)!r} ≠ {mine[key]!r}"

@@ -155,6 +155,32 @@ class Eagle3Head(nn.Module):
         values.scatter_(2, at, v.to(values.dtype))
         return self._finish(residual, eagle3_attention(q, keys, values, positions))
 
+    def attend(self, embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+               visible: torch.Tensor, before: tuple[torch.Tensor, torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`layer` without a cache, as training runs it (SPEC.md §11.9, "Training a head in
+        EAGLE-3's layout"): the pairs ``embeddings, features [B, W, hidden]`` at FlashSpec positions
+        ``positions [B or 1, W]`` attend to the keys ``before`` holds (earlier pairs' keys and values
+        ``[B, kv, M, d]``) and to their own, as ``visible [W, M + W]`` marks. Returns the output and
+        the keys and values of all ``M + W`` pairs."""
+        residual, q, k, v = self._project(embeddings, features, positions)
+        if before is not None:
+            k, v = torch.cat([before[0], k], dim=2), torch.cat([before[1], v], dim=2)
+        batch, heads, width, dim = q.shape
+        kv = k.shape[1]
+        groups = heads // kv
+        rows = q.reshape(batch, kv, groups * width, dim)  # row g·W + w: head kv·groups + g, pair w
+        out = torch.nn.functional.scaled_dot_product_attention(rows, k, v, attn_mask=visible.repeat(groups, 1))
+        return self._finish(residual, out.reshape(batch, heads, width, dim)), k, v
+
+    def placed(self, device: Any, dtype: torch.dtype) -> Eagle3Head:
+        """This head on ``device`` in ``dtype``, its rotary frequencies kept in float32 (rotary
+        angles are not rounded to a 16-bit dtype)."""
+        inv_freq = self.rotary_emb.inv_freq
+        head = self.to(device=device, dtype=dtype)
+        head.rotary_emb.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        return head
+
     def tree_layer(self, embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                    keys: torch.Tensor, values: torch.Tensor, pending: torch.Tensor, sees: torch.Tensor,
                    before: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -11,7 +11,10 @@
 :func:`read_eagle3` turns either into one :class:`Eagle3Checkpoint` (``speculators``' tensor
 names, the layer's config, the taps in vLLM's numbering), refusing other drafter kinds by name;
 :func:`load_eagle3_head` checks it against a target and builds the :class:`Eagle3Head`;
-:func:`write_eagle3` writes it in either layout, refusing what the layout cannot express.
+:func:`write_eagle3` writes it in either layout, refusing what the layout cannot express;
+:func:`head_checkpoint` is the checkpoint of a head in memory (one ``train-drafter --layout
+eagle3`` trained). A folder that FlashSpec trained also holds its ``drafter.json`` (kind
+``eagle3``): the target it was trained on, checked when it loads, and its training record.
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ from typing import Any
 import torch
 
 from ..checks import brief
+from .checkpoint import read_meta, shared_checksum
 from .eagle3 import Eagle3Head
 
-__all__ = ["LAYOUTS", "Eagle3Checkpoint", "default_aux_ids", "load_eagle3_head", "read_eagle3", "write_eagle3"]
+__all__ = ["KIND", "LAYOUTS", "Eagle3Checkpoint", "default_aux_ids", "head_checkpoint", "layer_fields",
+           "load_eagle3_head", "read_eagle3", "write_eagle3"]
+
+KIND = "eagle3"  # the kind in the drafter.json of a head that flashspec train-drafter --layout eagle3 wrote
 
 LAYOUTS = ("eagle3", "speculators")
 # The layer fields both layouts carry (a Llama config's), copied as they are.
@@ -60,6 +67,7 @@ class Eagle3Checkpoint:
     tensors: dict[str, torch.Tensor]
     verifier: dict[str, Any] = field(default_factory=dict)
     target_hidden: int | None = None  # the target's hidden size where the config names it
+    record: dict[str, Any] | None = None  # FlashSpec's drafter.json, for a head train-drafter wrote
 
     @property
     def hidden(self) -> int:
@@ -119,7 +127,8 @@ def read_eagle3(path: str | Path) -> Eagle3Checkpoint:
     EAGLE-1/2, P-EAGLE, DFlash, MTP heads, several-layer heads) are a ValueError saying what they
     look like."""
     folder = Path(path)
-    if (folder / "drafter.json").is_file():
+    record = read_meta(folder) if (folder / "drafter.json").is_file() else None
+    if record is not None and record.get("kind") != KIND:
         raise ValueError(f"{str(folder)!r} is a FlashSpec drafter checkpoint: load it as 'feature:DIR' or "
                          "'shallow:DIR'.")
     if not (folder / "config.json").is_file():
@@ -149,7 +158,9 @@ def read_eagle3(path: str | Path) -> Eagle3Checkpoint:
                 raise ValueError(f"{str(folder)!r} names two different taps: eagle_aux_hidden_state_layer_ids {aux} "
                                  f"(vLLM: layer inputs) and eagle_config's {sglang} (SGLang: layer outputs).")
             aux = as_vllm
-        verifier = {}
+        target = (record or {}).get("target", {})  # the target a FlashSpec-trained head was trained on
+        verifier = {k: v for k, v in (("name_or_path", target.get("name_or_path")),
+                                      ("architectures", target.get("architectures"))) if v}
     hidden = layer.get("hidden_size")
     needed = ("layers.0.self_attn.q_proj.weight", "fc.weight", "lm_head.weight")
     if not isinstance(hidden, int) or any(k not in tensors for k in needed):
@@ -167,7 +178,7 @@ def read_eagle3(path: str | Path) -> Eagle3Checkpoint:
     vocab_size = int(tensors["t2d"].numel()) if "t2d" in tensors else int(layer.get("vocab_size", draft_vocab))
     return Eagle3Checkpoint(layout, _layer_config(layer), layer_type, vocab_size, draft_vocab,
                             None if aux is None else tuple(int(i) for i in aux), options, tensors, verifier,
-                            config.get("target_hidden_size"))
+                            config.get("target_hidden_size"), record)
 
 
 def _draft_ids(ckpt: Eagle3Checkpoint, folder: str) -> torch.Tensor | None:
@@ -191,11 +202,12 @@ def _draft_ids(ckpt: Eagle3Checkpoint, folder: str) -> torch.Tensor | None:
     return ids
 
 
-def layer_config(ckpt: Eagle3Checkpoint) -> Any:
-    """The draft layer's config as a transformers ``LlamaConfig`` (rotary settings included)."""
+def layer_config(fields: dict[str, Any], vocab_size: int) -> Any:
+    """The draft layer's config ``fields`` (a checkpoint's) as a transformers ``LlamaConfig``
+    (rotary settings included)."""
     from transformers import LlamaConfig
 
-    layer = dict(ckpt.layer)
+    layer = dict(fields)
     heads = int(layer["num_attention_heads"])
     rope = layer.pop("rope_parameters", None)
     scaling, theta = layer.pop("rope_scaling", None), layer.pop("rope_theta", None)
@@ -204,10 +216,50 @@ def layer_config(ckpt: Eagle3Checkpoint) -> Any:
         rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type") or "default"
         rope["rope_theta"] = theta if theta is not None else 10000.0
     layer.pop("torch_dtype", None), layer.pop("dtype", None)
-    return LlamaConfig(**{**layer, "num_hidden_layers": 1, "vocab_size": ckpt.vocab_size,
+    return LlamaConfig(**{**layer, "num_hidden_layers": 1, "vocab_size": vocab_size,
                           "head_dim": layer.get("head_dim") or int(layer["hidden_size"]) // heads,
                           "num_key_value_heads": layer.get("num_key_value_heads") or heads,
                           "rope_parameters": rope})
+
+
+def layer_fields(config: Any) -> dict[str, Any]:
+    """The draft layer's config fields as both layouts write them, from a transformers ``config``
+    (the target's, or a head's ``LlamaConfig``): its sizes, no biases, and the rotary settings both
+    as transformers 5 names them (``rope_parameters``) and as transformers 4 does (``rope_theta``,
+    ``rope_scaling`` when not the default), so that readers on either build the same rotary embedding."""
+    heads = config.num_attention_heads
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    theta = rope.pop("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    rope.setdefault("rope_type", "default")
+    fields = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+              "num_attention_heads": heads,
+              "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+              "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+              "rms_norm_eps": config.rms_norm_eps, "hidden_act": config.hidden_act, "attention_bias": False,
+              "mlp_bias": False, "max_position_embeddings": config.max_position_embeddings, "rope_theta": theta,
+              "rope_parameters": {**rope, "rope_theta": theta}}
+    if rope["rope_type"] != "default":
+        fields["rope_scaling"] = rope
+    return fields
+
+
+def head_checkpoint(head: Eagle3Head, verifier: dict[str, Any] | None = None) -> Eagle3Checkpoint:
+    """The checkpoint of ``head`` for :func:`write_eagle3`: its parameters under ``speculators``'
+    names (the buffers are derived), ``d2t`` offsets and the ``t2d`` mask for a draft vocabulary
+    (none for the target's vocabulary in order), its options, the taps in vLLM's numbering, and
+    ``verifier`` (``name_or_path``, ``architectures``) for the speculators layout."""
+    tensors = {k: v.detach() for k, v in head.state_dict().items()}
+    vocab, size, draft = head.lm_head.vocab, head.lm_head.vocab_size, int(head.lm_head.weight.shape[0])
+    if vocab is not None:
+        vocab = vocab.cpu()
+        tensors["d2t"] = vocab - torch.arange(draft)
+        tensors["t2d"] = torch.zeros(size, dtype=torch.bool).index_fill(0, vocab, True)
+    layer = {**layer_fields(head.config), "torch_dtype": str(head.fc.weight.dtype).removeprefix("torch.")}
+    options = {"norm_before_residual": head.norm_before_residual, "norm_before_fc": head.input_norm is not None,
+               "fc_norm": head.fc_norm is not None, "norm_output": head.norm_output}
+    layer_type = "llama" if head.layers[0].self_attn.q_norm is None else "qwen3"
+    return Eagle3Checkpoint("eagle3", layer, layer_type, size, draft, tuple(t + 1 for t in head.taps), options,
+                            tensors, dict(verifier or {}))
 
 
 def load_eagle3_head(path: str | Path, target: Any) -> Eagle3Head:
@@ -228,6 +280,10 @@ def load_eagle3_head(path: str | Path, target: Any) -> Eagle3Head:
     arch = ckpt.verifier.get("architectures")
     if arch and type(target).__name__ not in arch:
         raise ValueError(f"{other}: verifier architecture {list(arch)} ≠ the target's {type(target).__name__}.")
+    trained_on = (ckpt.record or {}).get("target", {})
+    if "shared_sha256" in trained_on and trained_on["shared_sha256"] != shared_checksum(target):
+        raise ValueError(f"{other} ({trained_on.get('name_or_path') or 'unnamed'}): its shared weights differ "
+                         "(the target's embedding, final norm or head).")
     aux = ckpt.aux_ids if ckpt.aux_ids is not None else default_aux_ids(layers)
     if any(not 1 <= n <= layers for n in aux) or len(set(aux)) != len(aux):
         raise ValueError(f"{other}: it reads the hidden states entering layers {list(aux)} (vLLM's numbering), "
@@ -242,7 +298,8 @@ def load_eagle3_head(path: str | Path, target: Any) -> Eagle3Head:
     shared = target.get_input_embeddings().weight
     if embed is not None and torch.equal(embed.to(torch.bfloat16), shared.detach().to("cpu", torch.bfloat16)):
         embed = None  # the target's own (rounded alike): share it rather than copy it
-    head = Eagle3Head(layer_config(ckpt), tuple(n - 1 for n in aux), vocab, ckpt.draft_vocab, _draft_ids(ckpt, folder),
+    head = Eagle3Head(layer_config(ckpt.layer, ckpt.vocab_size), tuple(n - 1 for n in aux), vocab, ckpt.draft_vocab,
+                      _draft_ids(ckpt, folder),
                       fc_bias="fc.bias" in ckpt.tensors, qk_norm=ckpt.layer_type == "qwen3",
                       embed=None if embed is None else embed.float(), **ckpt.options)
     weights = {k: v for k, v in ckpt.tensors.items() if k not in ("d2t", "t2d", "embed_tokens.weight")}
@@ -254,10 +311,7 @@ def load_eagle3_head(path: str | Path, target: Any) -> Eagle3Head:
         raise ValueError(f"Could not read the EAGLE-3 weights in {folder!r}: {type(error).__name__}: "
                          f"{brief(error, 300)}") from None
     parameter = next(target.parameters())
-    inv_freq = head.rotary_emb.inv_freq  # float32: rotary angles are not rounded to a 16-bit dtype
-    head = head.to(device=parameter.device, dtype=parameter.dtype).eval()
-    head.rotary_emb.inv_freq = inv_freq.to(parameter.device)
-    return head
+    return head.placed(parameter.device, parameter.dtype).eval()
 
 
 def _load_strict(head: Eagle3Head, weights: dict[str, torch.Tensor]) -> None:

@@ -2,7 +2,8 @@
 
 Teacher forcing on the target's own features and next-token laws. The target runs frozen; only
 the drafter's own part learns: a :class:`~flashspec.drafters.feature.FeatureHead` (kind
-``feature``) or a :class:`~flashspec.drafters.shallow.ShallowHead` (kind ``shallow``). The loss is
+``feature``), a :class:`~flashspec.drafters.shallow.ShallowHead` (kind ``shallow``) or an
+:class:`~flashspec.drafters.eagle3.Eagle3Head` (kind ``eagle3``, :mod:`.eagle3_head`). The loss is
 distillation, the cross-entropy of the drafter's law against the target's (soft labels), or
 against the next token itself with ``hard_labels``; each position weighted by the loss mask (1
 where the token it predicts is a target: the target's answers in distilled data, every token of
@@ -23,18 +24,22 @@ import torch
 from tqdm.auto import tqdm
 
 from ..checks import check_flag, check_int, check_number, is_int, is_number
-from ..drafters.checkpoint import KINDS, file_sha256, read_meta
+from ..drafters.checkpoint import file_sha256, read_meta
+from ..drafters.eagle3 import Eagle3Head
 from ..drafters.feature import FeatureHead, SubsetHead, tapped_layers
 from ..drafters.low_rank import LowRank, add_low_rank
 from ..drafters.shallow import ShallowHead
 from .data import draft_vocab
+from .eagle3_head import check_eagle3_options, counted, eagle3_groups, eagle3_passes, new_eagle3_head
 from .schedule import Schedule
+from .unroll import chain_mask
 
 __all__ = ["TrainOptions", "chain_mask", "continued_record", "estimate_acceptance", "new_head", "train_feature_head",
            "train_head", "training_totals"]
 
 
 CLIP = 1.0  # gradient norm clipping
+KINDS = ("feature", "shallow", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -135,33 +140,16 @@ def _head_logits(draft: Any, hidden: torch.Tensor) -> torch.Tensor:
     return draft.lm_head.subset(hidden) if isinstance(draft.lm_head, SubsetHead) else draft.lm_head(hidden)
 
 
-def chain_mask(passes: int, length: int, device: Any = None) -> torch.Tensor:
-    """``[passes·length, passes·length]`` boolean attention mask of the unrolled passes (SPEC.md
-    §11.6): query ``(a, t)`` — pass ``a`` at position ``t`` — sees pass 1 at positions
-    ``s ≤ t − a + 1`` (the committed prefix of a draft chain begun at ``t − a + 1``) and pass
-    ``b ∈ 2…a`` at ``s = t − (a − b)`` (the chain's own earlier drafts), as at inference."""
-    t = torch.arange(length, device=device)
-    rows = []
-    for a in range(1, passes + 1):
-        blocks = []
-        for b in range(1, passes + 1):
-            if b == 1:
-                block = t[None, :] <= (t[:, None] - a + 1)
-            elif b <= a:
-                block = t[None, :] == (t[:, None] - (a - b))
-            else:
-                block = torch.zeros(length, length, dtype=torch.bool, device=device)
-            blocks.append(block)
-        rows.append(torch.cat(blocks, dim=1))
-    return torch.cat(rows, dim=0)
-
-
 def _passes(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: torch.Tensor,
             count: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The feature drafter's logits and predicted features over ``count`` chained passes (SPEC.md
     §11.6): pass 1 reads the target's true features ``fc([f_{t−1}; e_t])`` (``f``: the head's
     :meth:`~FeatureHead.fused` feature of ``features``); pass ``j`` reads pass ``j − 1``'s
-    predicted ones ``fc([f̂_{t−1}; e_t])``, attending as a ``j``-th draft would."""
+    predicted ones ``fc([f̂_{t−1}; e_t])``, attending as a ``j``-th draft would. An EAGLE-3 head:
+    :func:`~flashspec.training.eagle3_head.eagle3_passes` (``draft`` unused)."""
+    if isinstance(head, Eagle3Head):
+        with _cast(features, head, target):
+            return eagle3_passes(head, target, ids, features, count)
     dtype = next(head.parameters()).dtype
     length = ids.shape[1]
     captured: list[torch.Tensor] = []
@@ -230,7 +218,12 @@ def _feature_weight(head: Any, options: TrainOptions) -> float:
 
 
 def _vocab(head: Any) -> torch.Tensor | None:
-    return getattr(head, "vocab", None)
+    return head.lm_head.vocab if isinstance(head, Eagle3Head) else getattr(head, "vocab", None)
+
+
+def _draft(head: Any, target: Any) -> Any:
+    """The model ``head`` runs in (None for an EAGLE-3 head, which runs alone)."""
+    return None if isinstance(head, Eagle3Head) else head.draft_model(target)
 
 
 DEPTHS = 3  # draft depths the acceptance estimate reports (feature drafters)
@@ -248,7 +241,7 @@ def _acceptance(head: Any, draft: Any, target: Any, chunks: torch.Tensor, batch:
     with torch.no_grad():
         for i in range(0, len(chunks), batch):
             ids = chunks[i : i + batch].to(target.device)
-            counts = _weights(None if mask is None else mask[i : i + batch], ids).bool()
+            counts = counted(head, _weights(None if mask is None else mask[i : i + batch], ids)).bool()
             features, logits = _features_and_logits(target, ids, _reads(head, target))
             if isinstance(head, ShallowHead):
                 mine = [_draft_logits(head, draft, target, ids, features)]
@@ -268,7 +261,7 @@ def estimate_acceptance(head: Any, target: Any, chunks: torch.Tensor, batch: int
                         mask: torch.Tensor | None = None) -> list[float]:
     """``[α₁, α₂, …]`` of ``head`` on ``chunks [N, T]`` where ``mask`` (the loss mask) says so
     (the progress bar's estimate, for a saved head too)."""
-    return _acceptance(head, head.draft_model(target), target, chunks, batch, mask)
+    return _acceptance(head, _draft(head, target), target, chunks, batch, mask)
 
 
 def new_head(kind: str, target: Any, options: TrainOptions, vocab: torch.Tensor | None = None) -> Any:
@@ -276,6 +269,8 @@ def new_head(kind: str, target: Any, options: TrainOptions, vocab: torch.Tensor 
     if kind == "feature":
         head = FeatureHead(target.config, options.layers, options.width, options.heads, vocab, options.taps,
                            options.fuse_rank)
+    elif kind == "eagle3":
+        return new_eagle3_head(target, options, vocab)
     elif kind == "shallow":
         if options.taps is not None or options.fuse_rank is not None:
             raise ValueError("taps and fuse_rank (fused features) are options of the feature drafter only.")
@@ -305,6 +300,8 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     device = next(target.parameters()).device
     if options.rank is not None and base is None:
         raise ValueError("A low-rank delta (rank) needs a base drafter to train over.")
+    if kind == "eagle3" or isinstance(base, Eagle3Head):
+        check_eagle3_options(options)
     if mask is not None and tuple(mask.shape) != tuple(chunks.shape):
         raise ValueError(f"mask must have the chunks' shape {tuple(chunks.shape)}; got {tuple(mask.shape)}.")
     if base is not None and options.taps is not None and options.taps != getattr(base, "taps", None):
@@ -320,12 +317,12 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     else:
         vocab = None
         if options.draft_vocab is not None:
-            if kind != "feature":
+            if kind == "shallow":
                 raise ValueError("A reduced draft vocabulary is an option of the feature drafter only.")
             vocab = draft_vocab(chunks, options.draft_vocab, always, mask)  # among the training targets
         head = new_head(kind, target, options, vocab)
     head = head.float()  # master weights in float32 (SPEC.md §11.3); returned in the target's dtype
-    draft = head.draft_model(target)
+    draft = _draft(head, target)
     reads = _reads(head, target)
     feature_weight = _feature_weight(head, options)
     training = target.training
@@ -355,7 +352,7 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
         for step in bar:
             rows = torch.randint(0, len(chunks), (options.batch,), generator=generator)
             ids = chunks[rows].to(device)
-            weights = _weights(None if mask is None else mask[rows], ids)
+            weights = counted(head, _weights(None if mask is None else mask[rows], ids))
             features, logits = _features_and_logits(target, ids, reads)
             loss = _loss(head, draft, target, ids, features, logits, options, weights, feature_weight)
             if not math.isfinite(loss.item()):
@@ -391,7 +388,9 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     log["schedule"] = schedule.record(len(log["loss"]), log["seconds"])
     if device.type == "cuda":
         log["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-    return head.to(next(target.parameters()).dtype).eval(), log
+    parameter = next(target.parameters())
+    return (head.placed(parameter.device, parameter.dtype) if isinstance(head, Eagle3Head)
+            else head.to(parameter.dtype)).eval(), log
 
 
 def training_totals(log: dict[str, Any]) -> dict[str, Any]:
@@ -414,7 +413,8 @@ def continued_record(folder: str | Path) -> dict[str, Any]:
     own = totals["steps"] - (prior.get("stopped_at_step") or len(prior.get("loss", [])) or prior.get("steps", 0))
     estimates = list(prior["before"].get("estimates", [])) if isinstance(prior.get("before"), dict) else []
     estimates += [{**e, "step": e["step"] + own} for e in prior.get("estimates", [])]
-    return {"path": str(folder), "sha256": file_sha256(folder / "drafter.safetensors"), **totals,
+    weights = folder / read_meta(folder).get("weights", "drafter.safetensors")  # an EAGLE-3 head's: model.safetensors
+    return {"path": str(folder), "sha256": file_sha256(weights), **totals,
             "estimates": estimates}
 
 
@@ -436,7 +436,7 @@ def _loss(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: torch
     predicts; None: all), so masked positions are context only: no term of the loss reads their
     outputs."""
     vocab = _vocab(head)
-    weights = _weights(None, ids) if weights is None else weights
+    weights = counted(head, _weights(None, ids) if weights is None else weights)
     if isinstance(head, ShallowHead):
         passes, predicted = [_draft_logits(head, draft, target, ids, features)], []
     else:
@@ -472,6 +472,8 @@ def _loss(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: torch
 def _parameter_groups(head: Any, options: TrainOptions) -> list[dict[str, Any]]:
     """The optimizer's groups: the head's input / output maps at ``lr_head``, its decoder layers at
     ``lr_layers``; with a low-rank delta, only the delta's factors (same split)."""
+    if isinstance(head, Eagle3Head):
+        return eagle3_groups(head, options)
     if isinstance(head, ShallowHead):
         maps = [head.fc1, head.fc2]
     else:  # fc, and a fused head's fuse
