@@ -12,6 +12,7 @@ from typing import Any
 from ..checks import check_int
 from ..data.sharegpt import PACKAGE
 from ..models.loading import DTYPES
+from .launch import add_gpus, launched
 from .options import add_device, add_progress, add_target, add_tokenizer
 
 __all__ = ["add_parsers"]
@@ -103,7 +104,8 @@ def add_parsers(sub: Any) -> None:
                             "taps*hidden -> R -> hidden, for a smaller checkpoint (default: one full-rank matrix)")
     train.add_argument("--max-minutes", type=float, default=None, help="stop training after this long (default: no limit)")
     add_device(train)
-    train.set_defaults(run=train_drafter)
+    add_gpus(train)
+    train.set_defaults(run=train_on_ranks)
 
     p = sub.add_parser("distill", help="self-distilled training data: the target's own answers to real "
                                        "conversations (ShareGPT) and to corpus prompts",
@@ -158,7 +160,24 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {default})" if text else f"default: {default}"
 
 
-def train_drafter(args: argparse.Namespace) -> None:
+def train_on_ranks(args: argparse.Namespace) -> None:
+    """``flashspec train-drafter``: :func:`train_drafter` in this process, or on several (under
+    torchrun, or with ``--gpus N``, which starts torchrun; SPEC.md §11.3, "Several processes")."""
+    from ..training.distributed import join
+
+    if launched(args):
+        return
+    ranks = join(args.device)  # torchrun's ranks, each on its own GPU; or this process alone
+    args.device = ranks.device
+    try:
+        ranks.check_batch(args.batch)
+        with ranks.quiet():  # one rank prints
+            train_drafter(args, ranks)
+    finally:
+        ranks.close()
+
+
+def train_drafter(args: argparse.Namespace, ranks: Any) -> None:
     """Train a drafter made from ``--target`` on ``--data`` and save it to ``--out``."""
     from ..drafters.fusion import check_fuse_rank, default_taps
     from ..engine import SpeculativeEngine
@@ -214,8 +233,9 @@ def train_drafter(args: argparse.Namespace) -> None:
     if taps == "eagle3" and args.feature_weight:
         raise ValueError("--feature-weight is for drafters on the target's last layer; leave it out with --taps.")
     check_data(args.data)
-    engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device, warmup=False,
-                               dtype=DTYPES[args.dtype] if args.dtype else None)
+    with ranks.first():  # a target fetched once
+        engine = SpeculativeEngine(args.target, [], tokenizer=args.tokenizer, device=args.device, warmup=False,
+                                   dtype=DTYPES[args.dtype] if args.dtype else None)
     if engine.tokenizer is None:
         raise ValueError("Training reads text: give --tokenizer (none could be loaded with the target).")
     depth = engine.target.config.num_hidden_layers
@@ -240,7 +260,9 @@ def train_drafter(args: argparse.Namespace) -> None:
     eos = engine.target.generation_config.eos_token_id
     always = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
     head, log = train_head(kind, engine.target, chunks, options, estimate=estimate, base=base, always=always,
-                           mask=mask, estimate_mask=estimate_mask)
+                           mask=mask, estimate_mask=estimate_mask, ranks=ranks)
+    if not ranks.writes:
+        return
     delta = args.rank is not None
     if start and not delta:  # the whole drafter trained further: a new full checkpoint, its history kept
         log["before"] = continued_record(start)
@@ -249,7 +271,9 @@ def train_drafter(args: argparse.Namespace) -> None:
     record = json.loads((out / "drafter.json").read_text())
     record["training"]["alpha1_saved"] = saved[0]  # the checkpoint as saved (int8 rows, merged deltas)
     record["training"]["alpha_saved"] = saved
-    (out / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
+    from ..drafters.checkpoint import write_meta
+
+    write_meta(out, record)  # atomically
     size = (out / record.get("weights", "drafter.safetensors")).stat().st_size
     last = "/".join(f"{a:.3f}" for a in log["estimates"][-1]["alpha"]) if log["estimates"] else "?"
     hand = (f"; for vLLM or SGLang the folder as it is, or flashspec export-drafter {out} --to speculators"

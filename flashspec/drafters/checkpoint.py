@@ -21,7 +21,7 @@ from .low_rank import low_rank_factors, merge_low_rank
 from .shallow import ShallowHead
 
 __all__ = ["FORMAT", "KINDS", "file_sha256", "load_feature_head", "load_head", "read_meta", "read_tensors",
-           "save_drafter", "shared_checksum", "target_record"]
+           "save_drafter", "shared_checksum", "target_record", "write_meta"]
 
 KINDS = ("feature", "shallow")
 FORMAT = 1
@@ -91,7 +91,9 @@ def file_sha256(path: Path) -> str:
 
 def save_drafter(head: Any, target: Any, out_dir: str | Path, log: dict | None = None, *,
                  storage: str = "int8", base: str | Path | None = None) -> Path:
-    """Write ``drafter.safetensors`` (the trainable part only) and ``drafter.json``.
+    """Write ``drafter.safetensors`` (the trainable part only) and ``drafter.json``, each under a
+    temporary name first and then renamed over the file it replaces (weights, then record): a
+    write that fails or is killed leaves the files that were there.
 
     ``storage="int8"`` keeps matrices as int8 rows with a scale each (SPEC.md §11.4), ``"same"``
     in the head's dtype. ``base``: the folder of the drafter this head's low-rank deltas were
@@ -111,12 +113,11 @@ def save_drafter(head: Any, target: Any, out_dir: str | Path, log: dict | None =
     else:
         tensors = {k: v for k, v in head.state_dict().items() if "parametrizations" not in k}
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(_quantized(tensors) if storage == "int8" else tensors, str(out / "drafter.safetensors"))
     shared = getattr(head, "shared_layers", 0)
     record: dict[str, Any] = {"format": FORMAT, "kind": _kind(head), "layers": len(head.layers),
                               "target": target_record(target, shared), "storage": storage,
                               "dtype": str(next(head.parameters()).dtype).removeprefix("torch."),
-                              "bytes": (out / "drafter.safetensors").stat().st_size}
+                              "bytes": 0}  # the file's, once written
     if isinstance(head, ShallowHead):
         record.update(shared_layers=head.shared_layers, head_width=head.fc1.out_features)
     else:
@@ -127,8 +128,41 @@ def save_drafter(head: Any, target: Any, out_dir: str | Path, log: dict | None =
                           "sha256": file_sha256(base / "drafter.safetensors")}
         record["rank"] = int(next(iter(tensors.values())).shape[0])
     record["training"] = log or {}
-    (out / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
+    weights = _partial(out / "drafter.safetensors")
+    try:
+        save_file(_quantized(tensors) if storage == "int8" else tensors, str(weights))
+        _flush(weights)
+        record["bytes"] = weights.stat().st_size
+        os.replace(weights, out / "drafter.safetensors")
+    except BaseException:
+        weights.unlink(missing_ok=True)
+        raise
+    write_meta(out, record)
     return out
+
+
+def _partial(path: Path) -> Path:
+    """A temporary name beside ``path``, this process's own."""
+    return path.with_name(f".{path.name}.{os.getpid()}.partial")
+
+
+def _flush(path: Path) -> None:
+    """``path``'s bytes on the disk before it is renamed into place."""
+    with open(path, "rb+") as file:
+        os.fsync(file.fileno())
+
+
+def write_meta(folder: str | Path, record: dict[str, Any]) -> None:
+    """Write ``folder/drafter.json`` atomically: a temporary file renamed over it."""
+    path = Path(folder) / "drafter.json"
+    partial = _partial(path)
+    try:
+        partial.write_text(json.dumps(record, indent=1) + "\n")
+        _flush(partial)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def read_meta(folder: Path) -> dict[str, Any]:

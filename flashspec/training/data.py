@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import lzma
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,9 @@ def _tokenized(text: str, tokenizer: Any, cache: str | Path | None) -> list[int]
             pass
     ids = _tokenize(text, tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(torch.tensor(ids, dtype=torch.int32), path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")  # ranks of one training write it at once
+    torch.save(torch.tensor(ids, dtype=torch.int32), partial)
+    os.replace(partial, path)
     return ids
 
 

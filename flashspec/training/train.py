@@ -30,6 +30,7 @@ from ..drafters.feature import FeatureHead, SubsetHead, tapped_layers
 from ..drafters.low_rank import LowRank, add_low_rank
 from ..drafters.shallow import ShallowHead
 from .data import draft_vocab
+from .distributed import ALONE, Ranks, summed_over_ranks
 from .eagle3_head import check_eagle3_options, counted, eagle3_groups, eagle3_passes, new_eagle3_head
 from .schedule import Schedule
 from .unroll import chain_mask
@@ -285,7 +286,7 @@ def new_head(kind: str, target: Any, options: TrainOptions, vocab: torch.Tensor 
 def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptions,
                estimate: torch.Tensor | None = None, progress: bool = True, base: Any = None,
                always: tuple[int, ...] = (), mask: torch.Tensor | None = None,
-               estimate_mask: torch.Tensor | None = None) -> tuple[Any, dict]:
+               estimate_mask: torch.Tensor | None = None, ranks: Ranks = ALONE) -> tuple[Any, dict]:
     """Train a drafter head of ``kind`` for ``target`` (frozen) on ``chunks [N, seq_len]``; return it
     with a log (losses, acceptance estimates, seconds, tokens seen).
 
@@ -295,7 +296,9 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
 
     ``base``: a trained head to start from. With ``options.rank`` only a low-rank delta of each of
     its linear maps learns (:class:`LowRank`; a per-domain drafter over a general one, SPEC.md
-    §11.5); without, all of it trains further. ``always``: token ids a new draft vocabulary keeps."""
+    §11.5); without, all of it trains further. ``always``: token ids a new draft vocabulary keeps.
+    ``ranks``: the processes training together (:mod:`.distributed`; default: this one alone)."""
+    estimate, progress = (estimate, progress) if ranks.writes else (None, False)  # rank 0's part
     torch.manual_seed(options.seed)
     device = next(target.parameters()).device
     if options.rank is not None and base is None:
@@ -331,6 +334,7 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     for p in target.parameters():
         p.requires_grad_(False)  # restored below
     groups = _parameter_groups(head, options)
+    step_loss = ranks.loss_of(head)  # on several ranks: DDP over the head, the ranks' gradients summed
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     peaks = [group["lr"] for group in groups]
 
@@ -341,7 +345,7 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     trainable = [p for group in groups for p in group["params"]]
     generator = torch.Generator().manual_seed(options.seed)
     log: dict[str, Any] = {"kind": kind, "options": {**asdict(options), "feature_weight": feature_weight},
-                           "loss": [], "estimates": [], "tokens": 0, "target_tokens": 0}
+                           "loss": [], "estimates": [], "tokens": 0, "target_tokens": 0, "processes": ranks.world}
     if estimate is not None:
         log["estimates"].append(_estimate(0, _acceptance(head, draft, target, estimate, options.batch, estimate_mask)))
     for group, peak in zip(optimizer.param_groups, peaks):
@@ -350,33 +354,33 @@ def train_head(kind: str, target: Any, chunks: torch.Tensor, options: TrainOptio
     try:
         bar = tqdm(range(options.steps), disable=not progress, desc=f"training {kind} drafter", unit="step")
         for step in bar:
-            rows = torch.randint(0, len(chunks), (options.batch,), generator=generator)
+            rows = ranks.shard(torch.randint(0, len(chunks), (options.batch,), generator=generator))
             ids = chunks[rows].to(device)
             weights = counted(head, _weights(None if mask is None else mask[rows], ids))
             features, logits = _features_and_logits(target, ids, reads)
-            loss = _loss(head, draft, target, ids, features, logits, options, weights, feature_weight)
-            if not math.isfinite(loss.item()):
-                raise ValueError(f"The training loss is not finite at step {step}: lower the learning rates.")
+            loss = step_loss(_loss, head, draft, target, ids, features, logits, options, weights, feature_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            value, tokens, scored, elapsed = ranks.agree(loss, ids.numel(), weights[:, :-1].sum(), started)
+            if not math.isfinite(value):
+                raise ValueError(f"The training loss is not finite at step {step}: lower the learning rates.")
             torch.nn.utils.clip_grad_norm_(trainable, CLIP)
             optimizer.step()
-            elapsed = time.perf_counter() - started
             fraction = rate(step + 1, elapsed)  # the next step's learning rates
             for group, peak in zip(optimizer.param_groups, peaks):
                 group["lr"] = peak * fraction
             log["lr_fraction"] = fraction
-            log["loss"].append(loss.item())
-            log["tokens"] += ids.numel()
-            log["target_tokens"] += int(weights[:, :-1].sum())  # positions the loss scored
+            log["loss"].append(value)
+            log["tokens"] += tokens
+            log["target_tokens"] += scored  # positions the loss scored
             out_of_time = options.max_seconds is not None and elapsed > options.max_seconds
             if estimate is not None and ((step + 1) % options.estimate_every == 0 or step + 1 == options.steps
                                          or out_of_time):
                 alphas = _acceptance(head, draft, target, estimate, options.batch, estimate_mask)
                 log["estimates"].append(_estimate(step + 1, alphas))
-                bar.set_postfix(loss=f"{loss.item():.3f}", alpha="/".join(f"{a:.2f}" for a in alphas))
+                bar.set_postfix(loss=f"{value:.3f}", alpha="/".join(f"{a:.2f}" for a in alphas))
             else:
-                bar.set_postfix(loss=f"{loss.item():.3f}")
+                bar.set_postfix(loss=f"{value:.3f}")
             if out_of_time:
                 log["stopped_at_step"] = step + 1  # max_seconds reached
                 break
@@ -423,8 +427,8 @@ def _estimate(step: int, alphas: list[float]) -> dict[str, Any]:
 
 
 def _mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The ``weights``-weighted mean of ``values`` (0 where no weight: nothing to learn there)."""
-    return (values * weights).sum() / weights.sum().clamp(min=1)
+    """The ``weights``-weighted mean of ``values`` (0 where no weight), over every rank's weights."""
+    return (values * weights).sum() / summed_over_ranks(weights.sum()).clamp(min=1)
 
 
 def _loss(head: Any, draft: Any, target: Any, ids: torch.Tensor, features: torch.Tensor, logits: torch.Tensor,
