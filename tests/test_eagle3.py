@@ -368,6 +368,10 @@ def test_what_a_layout_cannot_express_is_refused(tmp):
     ckpt.tensors["fc.bias"] = torch.zeros(target.config.hidden_size)
     with pytest.raises(ValueError, match="bias"):
         write_eagle3(ckpt, Path(tmp) / "no", "speculators")
+    del ckpt.tensors["fc.bias"], ckpt.tensors["embed_tokens.weight"]  # speculators' loader reads it from the folder
+    with pytest.raises(ValueError, match="carries the token embedding"):
+        write_eagle3(ckpt, Path(tmp) / "no", "speculators")
+    assert not (Path(tmp) / "no").exists()
 
 
 def test_a_head_for_another_target_is_refused_before_any_forward(tmp):

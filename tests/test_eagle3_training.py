@@ -4,7 +4,8 @@
 drafter's loop and saves it as an EAGLE-layout checkpoint: here a tiny target (8 layers, taps
 1, 3, 4) trains one; the loss falls, ``α₁`` rises, it loads as ``"eagle3:DIR"`` and greedy output
 is the target's; each unrolled pass is the drafter's own draft at that depth; masked positions
-get no gradient; exports to both layouts draft the same; a resumed run continues the schedule;
+get no gradient; exports to both layouts draft the same, and the speculators layout carries the
+target's embedding, which speculators' loader reads from it; a resumed run continues the schedule;
 bad options are clear errors.
 """
 
@@ -217,7 +218,7 @@ def test_exports_to_both_layouts_draft_the_same(setup, trained):
     verifier = json.loads((spec / "config.json").read_text())["speculators_config"]["verifier"]
     assert verifier == {"name_or_path": str(tmp / "target"), "architectures": ["LlamaForCausalLM"]}
     first, again = read_eagle3(trained), read_eagle3(back)
-    assert first.tensors.keys() == again.tensors.keys()
+    assert again.tensors.keys() == first.tensors.keys() | {"embed_tokens.weight"}  # the target's, from the export
     assert all(torch.equal(first.tensors[k], again.tensors[k]) for k in first.tensors)
     outputs = []
     prompts = [[ord(c) for c in "def f7(x):\n    re"]]
@@ -227,6 +228,30 @@ def test_exports_to_both_layouts_draft_the_same(setup, trained):
                               temperature=0.8, seed=3)
         outputs.append((out.sequences, [(s.accepted, s.committed) for s in out.stats.step_log]))
     assert outputs[0] == outputs[1] == outputs[2] and outputs[0][1]
+
+
+def test_a_speculators_export_carries_the_targets_embedding(setup, trained, tmp_path):
+    """The head shares the target's embedding and its EAGLE-layout folder holds none; its export to
+    the speculators layout carries the verifier's, read from the verifier's weights, since
+    speculators' Eagle3DraftModel takes the embedding from the checkpoint (without one it keeps
+    the uninitialised memory transformers materialises a missing weight in). A verifier whose
+    weights cannot give it, or give another target's, is refused and nothing is written."""
+    model, tmp, _ = setup
+    assert "embed_tokens.weight" not in read_eagle3(trained).tensors
+    out = tmp_path / "speculators"
+    assert main(["export-drafter", str(trained), "--to", "speculators", "--out", str(out)]) == 0
+    embed = read_eagle3(out).tensors["embed_tokens.weight"]
+    assert torch.equal(embed, model.model.embed_tokens.weight.detach())
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    (weightless / "config.json").write_text((tmp / "target" / "config.json").read_text())
+    other = tmp_path / "other"
+    tiny_model("llama", seed=1, vocab_size=2 * VOCAB, layers=LAYERS).save_pretrained(other)
+    for verifier in (weightless, other):
+        folder = tmp_path / f"not-{verifier.name}"
+        assert main(["export-drafter", str(trained), "--to", "speculators", "--out", str(folder),
+                     "--verifier", str(verifier)]) == 2
+        assert not folder.exists()
 
 
 def test_an_export_loads_in_speculators_and_computes_the_same_logits(setup, trained):
@@ -240,6 +265,7 @@ def test_an_export_loads_in_speculators_and_computes_the_same_logits(setup, trai
     config.transformer_layer_config._attn_implementation = "eager"
     reader = speculators.Eagle3DraftModel.from_pretrained(str(out), config=config).eval()
     assert list(reader.config.eagle_aux_hidden_state_layer_ids) == [2, 4, 5]
+    assert torch.equal(reader.embed_tokens.weight, model.model.embed_tokens.weight)  # the export's copy
     ids = torch.tensor([[ord(c) for c in "def f9(x):\n"]])
     T, h = ids.shape[1] - 1, model.config.hidden_size
     with torch.no_grad():

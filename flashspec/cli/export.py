@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..drafters.checkpoint import read_meta
-from ..drafters.eagle3_formats import KIND, LAYOUTS, read_eagle3, write_eagle3
+from ..drafters.eagle3_formats import KIND, LAYOUTS, read_eagle3, target_embedding, write_eagle3
 
 __all__ = ["add_parsers", "export_drafter"]
 
@@ -33,8 +33,9 @@ def add_parsers(sub: Any) -> None:
                         help="eagle3: EAGLE/SpecForge; speculators: Eagle3Speculator")
     parser.add_argument("--out", required=True, metavar="OUT", help="the folder to write (created if missing)")
     parser.add_argument("--verifier", default=None, metavar="MODEL",
-                        help="the target's hub id or folder, recorded in a speculators config "
-                             "(needed --to speculators unless DIR records one, as a head train-drafter wrote does)")
+                        help="the target's hub id or folder, recorded in a speculators config, whose token "
+                             "embedding the speculators layout carries where DIR has none (needed --to "
+                             "speculators unless DIR records one, as a head train-drafter wrote does)")
     parser.set_defaults(run=export_drafter)
 
 
@@ -53,5 +54,15 @@ def export_drafter(args: argparse.Namespace) -> None:
     if args.to == "speculators" and not ckpt.verifier.get("name_or_path"):
         raise ValueError("A speculators checkpoint names its target: give --verifier MODEL (its hub id or folder; "
                          "speculators' Eagle3DraftModel.from_pretrained reads that model's config).")
+    if args.to == "speculators" and "embed_tokens.weight" not in ckpt.tensors:
+        # A head that shares the target's embedding (one train-drafter wrote, most EAGLE-layout heads): the
+        # speculators layout carries it, as speculators writes its own, since its loader takes it from there.
+        verifier = str(ckpt.verifier["name_or_path"])
+        embed = target_embedding(verifier)
+        if tuple(embed.shape) != (ckpt.vocab_size, ckpt.hidden):
+            raise ValueError(f"The verifier {verifier!r} is not this head's target: its embedding is "
+                             f"{tuple(embed.shape)}, the head's vocabulary and hidden size ({ckpt.vocab_size}, "
+                             f"{ckpt.hidden}).")
+        ckpt.tensors["embed_tokens.weight"] = embed
     write_eagle3(ckpt, out, args.to)
     print(f"Wrote {ckpt.layout} head {str(source)!r} in the {args.to} layout to {str(out)!r}.")

@@ -13,8 +13,10 @@ names, the layer's config, the taps in vLLM's numbering), refusing other drafter
 :func:`load_eagle3_head` checks it against a target and builds the :class:`Eagle3Head`;
 :func:`write_eagle3` writes it in either layout, refusing what the layout cannot express;
 :func:`head_checkpoint` is the checkpoint of a head in memory (one ``train-drafter --layout
-eagle3`` trained). A folder that FlashSpec trained also holds its ``drafter.json`` (kind
-``eagle3``): the target it was trained on, checked when it loads, and its training record.
+eagle3`` trained); :func:`target_embedding` reads a target's token embedding from its weights,
+which the speculators layout carries. A folder that FlashSpec trained also holds its
+``drafter.json`` (kind ``eagle3``): the target it was trained on, checked when it loads, and its
+training record.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .checkpoint import read_meta, shared_checksum
 from .eagle3 import Eagle3Head
 
 __all__ = ["KIND", "LAYOUTS", "Eagle3Checkpoint", "default_aux_ids", "head_checkpoint", "layer_fields",
-           "load_eagle3_head", "read_eagle3", "write_eagle3"]
+           "load_eagle3_head", "read_eagle3", "target_embedding", "write_eagle3"]
 
 KIND = "eagle3"  # the kind in the drafter.json of a head that flashspec train-drafter --layout eagle3 wrote
 
@@ -327,18 +329,75 @@ def _load_strict(head: Eagle3Head, weights: dict[str, torch.Tensor]) -> None:
             param.copy_(weights[name].to(param.dtype))
 
 
+def target_embedding(name_or_path: str) -> torch.Tensor:
+    """The token embedding (``…embed_tokens.weight``) of the model ``name_or_path``, a folder or a
+    hub id, read from its safetensors: the index, then only the file that holds it. A model whose
+    weights hold none is a ValueError."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    from ..models.loading import hub_reachable
+
+    local = Path(name_or_path).expanduser()
+    where = str(local) if local.is_dir() else name_or_path
+    offline = not local.is_dir() and not hub_reachable()  # the local hub cache only, rather than the hub's retries
+    place = ("there" if local.is_dir() else "in the local hub cache (the hub is unreachable)" if offline
+             else "on the hub")
+
+    def fetch(name: str) -> str | None:
+        try:
+            return cached_file(where, name, local_files_only=offline, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False)
+        except Exception as error:  # noqa: BLE001 - neither a folder nor a hub id, a gated or unknown repo
+            raise ValueError(f"Could not read the token embedding of {name_or_path!r} (a folder or hub id): "
+                             f"{brief(error, 200)}") from None
+
+    try:
+        index = fetch("model.safetensors.index.json")
+        if index is not None:
+            weight_map = dict(json.loads(Path(index).read_text())["weight_map"])
+        else:
+            single = fetch("model.safetensors")
+            if single is None:
+                raise ValueError(f"Could not read the token embedding of {name_or_path!r}: no model.safetensors "
+                                 f"(nor its index) {place}.")
+            with safe_open(single, framework="pt") as file:
+                weight_map = dict.fromkeys(file.keys(), "model.safetensors")
+        keys = [k for k in weight_map if k.endswith("embed_tokens.weight")]
+        if not keys:
+            raise ValueError(f"{name_or_path!r}'s weights hold no embed_tokens.weight (its token embedding).")
+        key = min(keys, key=len)  # model.embed_tokens.weight before a tower's
+        shard = fetch(weight_map[key])
+        if shard is None:
+            raise ValueError(f"Could not read the token embedding of {name_or_path!r}: no {weight_map[key]} {place}.")
+        with safe_open(shard, framework="pt", device="cpu") as file:
+            return file.get_tensor(key)
+    except ValueError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a corrupt index or weights file
+        raise ValueError(f"Could not read the token embedding of {name_or_path!r}: {type(error).__name__}: "
+                         f"{brief(error, 200)}") from None
+
+
 def write_eagle3(ckpt: Eagle3Checkpoint, out: str | Path, layout: str) -> Path:
     """Write ``ckpt`` in ``layout`` (``"eagle3"``: EAGLE/SpecForge, ``"speculators"``) to folder
     ``out``: the same tensors under the layout's names, so it drafts exactly as before. What the
     layout's readers (the reference code, vLLM, SGLang, speculators) cannot express is a ValueError:
-    an ``fc`` bias (both), and in the EAGLE layout a Qwen3 layer, ``norm_before_fc``, ``fc_norm``
-    and ``norm_output``."""
+    an ``fc`` bias (both), in the EAGLE layout a Qwen3 layer, ``norm_before_fc``, ``fc_norm`` and
+    ``norm_output``, and in the speculators layout a head without ``embed_tokens.weight``:
+    speculators' ``Eagle3DraftModel.from_pretrained`` takes the embedding from the checkpoint, and
+    where it has none leaves it as transformers materialises a missing weight, uninitialised memory
+    (its check for the verifier's embedding looks for NaN, which that memory seldom holds); give it
+    the target's, :func:`target_embedding`."""
     from safetensors.torch import save_file
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}.")
     if "fc.bias" in ckpt.tensors:
         raise ValueError("This head's fc has a bias, which neither layout's readers load (their fc has none).")
+    if layout == "speculators" and "embed_tokens.weight" not in ckpt.tensors:
+        raise ValueError("A speculators checkpoint carries the token embedding (speculators' Eagle3DraftModel reads "
+                         "it from the checkpoint): add the target's as embed_tokens.weight (target_embedding).")
     if layout == "eagle3":
         extra = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if ckpt.options.get(k)]
         if ckpt.layer_type != "llama" or extra:
