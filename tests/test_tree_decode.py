@@ -643,6 +643,18 @@ def test_sampled_tree_decoding_with_an_expansion_follows_the_target_law():
     assert 0 < out.stats.acceptance_rate < 1
 
 
+def test_sampled_auto_with_an_expansion_follows_the_target_law():
+    """χ² (10,000 samples): ``gammas="auto"`` chooses each step's depths (the expanded head's among
+    them) from the earlier steps of the whole batch; every step's tree is verified exactly whatever
+    it chose, so each row's law is still the target's. T = 0.7 with top-k and top-p."""
+    temperature, top_k, top_p = 0.7, 5, 0.9
+    out = sample([f"feature:{copy_head_folder(TARGET)}", "ngram", NOISY], "auto", temperature, top_k, top_p,
+                 expand_first=TreeExpansion(3, 6))
+    p = pvalue(out, exact_law(temperature, top_k, top_p))
+    assert p > ALPHA, f"χ² p-value {p:.2e}: the output law differs from the target's"
+    assert len(out.stats.per_arm) > 1  # the budget chose more than one allocation
+
+
 def test_expanded_nodes_tested_as_drawn_fail_the_test(monkeypatch):
     """The χ² test has power on this path: the run above with the expanded nodes tested as if drawn
     from a law (here the uniform one) instead of as point masses is rejected."""
