@@ -389,7 +389,7 @@ def test_the_target_as_a_drafter_gets_the_largest_gamma():
                                     device="cpu")
     e.tree_budget = TreeBudget([4, 4, 4], cost=lambda a: 1.0 + 0.1 * sum(a) + 0.2 * sum(g > 0 for g in a))
     prompt = [5, 9, 17]
-    out = e.generate_tree([prompt], max_new_tokens=48, gammas="auto")
+    out = e.generate_tree([prompt], max_new_tokens=48, gammas="auto", slack=None)  # the budget's own choices
     assert out.sequences == [hf_greedy(arch, tuple(prompt), 48)]
     assert e.tree_budget.best() == (0, 0, 4)
     chosen = allocations(out.stats, e.drafters)
@@ -409,9 +409,9 @@ class Scripted(TreeBudget):
     def choose(self, context=None):
         return self.script[len(self.reports) % len(self.script)]
 
-    def observe(self, allocation, lengths, taken, seconds, drafting=None, context=None):
+    def observe(self, allocation, lengths, taken, seconds, drafting=None, context=None, timed=True):
         self.reports.append((allocation, lengths, taken))
-        super().observe(allocation, lengths, taken, seconds, drafting, context)
+        super().observe(allocation, lengths, taken, seconds, drafting, context, timed)
 
 
 def test_a_drafter_left_out_catches_up_when_it_returns():
@@ -426,7 +426,7 @@ def test_a_drafter_left_out_catches_up_when_it_returns():
     script = [(3, 0), (0, 0), (2, 0), (0, 2), (0, 0), (0, 0), (4, 0), (1, 3), (0, 4), (0, 0), (2, 0), (0, 1)]
     e.tree_budget = Scripted([4, 4], script)
     prompts = [list(p) for p in PROMPTS]
-    out = e.generate_tree(prompts, max_new_tokens=40, gammas="auto")
+    out = e.generate_tree(prompts, max_new_tokens=40, gammas="auto", slack=None)  # the script, unguarded
     assert out.sequences == [hf_greedy(arch, p, 40) for p in PROMPTS]
     reports = e.tree_budget.reports
     assert len(reports) == out.stats.steps and [r[0] for r in reports] == [script[i % len(script)]
@@ -462,7 +462,7 @@ def test_sampled_auto_runs_and_a_seed_fixes_it():
         e = flashspec.SpeculativeEngine(target, drafters, device="cpu")
         e.tree_budget = TreeBudget([3, 3], cost=cost)
         return e.generate_tree(prompts, max_new_tokens=12, gammas="auto", do_sample=True, temperature=0.9,
-                               top_k=8, eos_token_id=[], seed=seed)
+                               top_k=8, eos_token_id=[], seed=seed, slack=None)  # the guard reads the clock
 
     runs = [run(5), run(5), run(6)]
     assert runs[0].sequences == runs[1].sequences != runs[2].sequences

@@ -356,7 +356,8 @@ def pvalue(out, law: np.ndarray) -> float:
 
 def sample(drafters, gammas, temperature, top_k, top_p, seed=1234, samples=SAMPLES, expand_first=None):
     """``samples`` continuations of PROMPT, generated as one batch, with the default thread count;
-    ``expand_first``: the first drafter's expansion."""
+    ``expand_first``: the first drafter's expansion. ``gammas="auto"`` runs unguarded: two steps of
+    10,000 rows would otherwise both wait for the guard's first target-only step."""
     e = flashspec.SpeculativeEngine(TARGET, drafters, device="cpu")
     expand = None if expand_first is None else {e.drafters[0].name: expand_first}
     before = torch.get_num_threads()
@@ -364,7 +365,7 @@ def sample(drafters, gammas, temperature, top_k, top_p, seed=1234, samples=SAMPL
     try:
         out = e.generate_tree([PROMPT] * samples, max_new_tokens=3, gammas=gammas, do_sample=True,
                               temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=[], seed=seed,
-                              expand=expand)
+                              expand=expand, **({"slack": None} if gammas == "auto" else {}))
     finally:
         torch.set_num_threads(before)
     assert all(len(s) == 3 for s in out.sequences)
@@ -527,18 +528,20 @@ def test_greedy_with_expansions_equals_hf_generate(kind, gammas, option, layout)
 def test_auto_budget_with_an_expansion_equals_hf_generate(layout):
     """``gammas="auto"`` with an expanded head (a copy of the target's own layers, so it is often
     right): the budget chooses the head's depth, the head keeps ``min(nodes, topk + (γ − 1)·topk²)``
-    nodes at depth γ, and the output is the target's greedy continuation."""
+    nodes at depth γ, and the output is the target's greedy continuation. Unguarded: the budget's own
+    choices (the guard, which reads the clock, is tested in test_tree_guard.py)."""
     e = expanding_engine("copy")
     e.tree_budget = None  # "auto" learns across calls: start afresh
     name, expand = e.drafters[0].name, {e.drafters[0].name: TreeExpansion(2, 5)}
     if layout == "alone":
         stats = []
         for p in PROMPTS:
-            out = e.generate_tree([list(p)], max_new_tokens=NEW, gammas="auto", expand=expand)
+            out = e.generate_tree([list(p)], max_new_tokens=NEW, gammas="auto", expand=expand, slack=None)
             assert out.sequences == [hf_greedy("llama", p, NEW)]
             stats.append(out.stats)
     else:
-        out = e.generate_tree([list(p) for p in PROMPTS], max_new_tokens=NEW, gammas="auto", expand=expand)
+        out = e.generate_tree([list(p) for p in PROMPTS], max_new_tokens=NEW, gammas="auto", expand=expand,
+                              slack=None)
         assert out.sequences == [hf_greedy("llama", p, NEW) for p in PROMPTS]
         stats = [out.stats]
     depths = {1: 2, 2: 5, 3: 5, 4: 5}  # min(5, 2 + (γ − 1)·4)

@@ -13,7 +13,7 @@ had accepted at every step, for no extra target forward.
 With ``gammas="auto"`` a :class:`~flashspec.select.tree_budget.TreeBudget` chooses each step's draft
 lengths from those counts (0 leaves a drafter out; all zeros is the chain loop's target-only step),
 kept on the engine as ``engine.tree_budget`` (SPEC.md §7, "Choosing the tree's node budget from full
-information").
+information"), behind a never-slower guard (:class:`~flashspec.select.tree_guard.TreeGuard`).
 
 Drafters that read the target's features (feature heads, EAGLE-3) take part: the tree forward and
 the commit write the committed positions' features as the chain loop's scoring forward does. With
@@ -33,12 +33,15 @@ from typing import Any
 import torch
 
 from ..draft_tree import DraftTree, verify_tree
-from ..drafters.base import Drafter, Growth, History, ReadsFeatures
+from ..drafters.base import CatchesUp, Drafter, Growth, History, ReadsFeatures
 from ..drafters.expansion import TreeExpansion, candidates
 from ..drafters.feature import FeatureDrafter
+from ..models.graphs import compile_events
 from ..models.static import StaticLM
+from ..select.guard import DEFAULT_SLACK, check_slack
 from ..models.tree import commit_path, tree_forward
 from ..select.tree_budget import Allocation, TreeBudget
+from ..select.tree_guard import RANKED, TreeGuard, TreeGuardMemory
 from ..stats import DrafterStats, GenerationOutput, GenerationStats, StepRecord
 from .commit import commit_step, note_fault
 from .loop import _Run
@@ -129,11 +132,13 @@ def decode_tree(
     eos_token_id: int | Sequence[int] | None = None,
     seed: int | None = None,
     context: Hashable = None,
+    slack: float | str | None = AUTO,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` per row with one draft tree per step made of the drafters'
     chains, verified exactly. ``gammas``: one draft length per drafter (default: the engine's), or
     ``"auto"``: chosen before each step by ``engine.tree_budget`` for ``context`` (a hashable label;
-    None: one shared context). ``expand``: ``{drafter name: TreeExpansion(topk, nodes)}`` for feature
+    None: one shared context), behind the never-slower guard at ``slack`` (``"auto"``: the engine's,
+    else 0.01; None: no guard; SPEC.md §7). ``expand``: ``{drafter name: TreeExpansion(topk, nodes)}`` for feature
     and EAGLE-3 heads whose part is a top-k expansion of depth γ instead of a chain (SPEC.md §7). The
     prompt and the other keywords are ``generate``'s.
     ``stats.per_drafter[name].accepted`` counts the tokens of that drafter's branch on each step's
@@ -148,6 +153,7 @@ def decode_tree(
     auto = isinstance(gammas, str) and gammas == AUTO
     gammas = check_tree_engine(engine, gammas, request.num_draft_tokens)
     budget = tree_budget(engine, gammas) if auto else None
+    guard = tree_guard(engine, budget, slack)
     expansions = check_expand(engine.drafters, expand, budget.gamma_max if auto else gammas)
     if budget is not None:  # the node counts its cost model reads (SPEC.md §7)
         budget.expand({i: (e.topk, e.nodes) for i, e in expansions.items()})
@@ -161,10 +167,12 @@ def decode_tree(
         # Room past the longest row for the deepest branch (the engine adds its arms' γ + 2).
         plan = engine.plan(rows=len(request.rows), length=request.longest + request.max_new_tokens + deepest,
                            num_draft_tokens=request.num_draft_tokens, num_eos=len(request.eos))
-        run = _TreeRun(plan, request, stats, tuple(gammas), budget, expansions)
+        run = _TreeRun(plan, request, stats, tuple(gammas), budget, expansions, guard)
         start = time.perf_counter()
         run.prefill()
         stats.prefill_seconds = time.perf_counter() - start
+        if guard is not None:
+            guard.prefill(stats.prefill_seconds, request.longest)
         forward_before = run.forward_seconds()
         running = bool(run.active.any())  # the prefill's first token may have been an EOS
         for _ in range(request.max_new_tokens - 1):  # every step commits >= 1 token per active row
@@ -172,6 +180,7 @@ def decode_tree(
                 break
             running = run.tree_step()
         stats.seconds = time.perf_counter() - start
+        stats.guard_refused += guard.refused if guard is not None else 0
         stats.decode_seconds = stats.seconds - stats.prefill_seconds
         stats.forward_seconds = run.forward_seconds() - forward_before
         sequences = run.sequences()
@@ -180,6 +189,30 @@ def decode_tree(
     if engine.tokenizer is not None:
         text = [engine.tokenizer.decode(s, skip_special_tokens=True) for s in sequences]
     return GenerationOutput(sequences, stats, text)
+
+
+def tree_guard(engine: Any, budget: TreeBudget | None, slack: Any) -> TreeGuard | None:
+    """A fresh :class:`TreeGuard` for one ``gammas="auto"`` call at ``slack`` (``"auto"``: the engine's
+    slack, else the default δ), or None (no budget, or ``slack=None``); the catch-up memory lives on
+    the engine (``engine.tree_guard_memory``) so that later calls start from it."""
+    if isinstance(slack, str) and slack == AUTO:
+        slack = engine.slack if engine.slack is not None else DEFAULT_SLACK
+    elif budget is None and slack is not None:
+        raise ValueError(f'slack guards the choice of gammas="auto"; with fixed gammas leave it out (got {slack!r}).')
+    slack = check_slack(slack)
+    if budget is None or slack is None:
+        return None
+    memory = getattr(engine, "tree_guard_memory", None)
+    if not isinstance(memory, TreeGuardMemory):
+        memory = engine.tree_guard_memory = TreeGuardMemory()
+    zeros = tuple(0 for _ in budget.gamma_max)
+
+    def ratio(allocation: Allocation) -> float:
+        return budget.seconds(allocation) / budget.seconds(zeros)
+
+    return TreeGuard(len(budget.gamma_max), slack, ratio, memory,
+                     {d: engine._layer_ratio(drafter) for d, drafter in enumerate(engine.drafters)},
+                     measured=budget.measured)
 
 
 def _nodes_at(expansions: Mapping[int, TreeExpansion], drafter: int, k: int) -> int:
@@ -206,9 +239,12 @@ class _TreeRun(_Run):
     with a tree step in place of its select → propose → score → verify → commit step."""
 
     def __init__(self, plan: Plan, request: Request, stats: GenerationStats, gammas: Allocation,
-                 budget: TreeBudget | None, expansions: dict[int, TreeExpansion]) -> None:
+                 budget: TreeBudget | None, expansions: dict[int, TreeExpansion],
+                 guard: TreeGuard | None = None) -> None:
         super().__init__(plan, request, stats)
         self.gammas, self.budget = gammas, budget  # fixed draft lengths, or a budget choosing them
+        self.guard = guard  # the never-slower guard of the budget's choices (SPEC.md §7)
+        self.widths: dict[int, int] = {}  # this step's catch-up widths, per drafting drafter
         self.expansions = expansions  # the drafters whose part is a top-k expansion
         # Per step: drafting uniforms [B, Σγ] (drafter i at its offset), then verification [B, T + 1]
         # for a tree of T nodes (T = Σγ without expansions: for one drafter the chain loop's layout),
@@ -225,16 +261,36 @@ class _TreeRun(_Run):
         if self.budget is None:
             return self.gammas
         started = time.perf_counter()
-        allocation = self.budget.choose(self.context)
+        if self.guard is None:
+            allocation = self.budget.choose(self.context)
+        else:
+            budget, context = self.budget, self.context
+
+            def preferences() -> Any:
+                yield budget.choose(context)
+                yield from budget.ranking(context, RANKED)
+
+            allocation = self.guard.choose(preferences(), self._catch_ups)
+            self.widths = self._catch_ups(allocation)
         self.stats.selector_seconds += time.perf_counter() - started
         return allocation
+
+    def _catch_ups(self, allocation: Allocation) -> dict[int, int]:
+        """Per drafter of ``allocation``, the positions its proposal feeds beyond a steady step's
+        (``CatchesUp.catch_up``, SPEC.md §4; 0 without a cache): host arithmetic only."""
+        out = {}
+        for i, (drafter, k, growth) in enumerate(zip(self.plan.drafters, allocation, self.growths)):
+            if k and isinstance(drafter, CatchesUp):
+                history = History(self.tokens, self.length, self.active, self.max_length, self.ws.hidden, growth)
+                out[i] = drafter.catch_up(history)
+        return out
 
     def tree_step(self) -> bool:
         """One step: the drafters of the allocation propose, one tree is scored and verified (no
         drafter: a target-only step), the path committed, the statistics and the budget updated;
         returns whether any row is still generating (the step's one read)."""
         allocation = self._allocation()
-        started = time.perf_counter()
+        started, events = time.perf_counter(), compile_events()
         ws, params, active = self.ws, self.params, self.active
         drafts, depth = sum(allocation), max(allocation)
         every = [_nodes_at(self.expansions, i, k) for i, k in enumerate(allocation)]  # each drafter's part
@@ -311,14 +367,18 @@ class _TreeRun(_Run):
             growth.polled(committed)
             growth.polled(max(missed.get(i, 0) - 2, 0))
         seconds = time.perf_counter() - started
-        self._update(allocation, sizes, rows_read, committed, accepted, dict(zip(ran, counts)), seconds)
+        cold = compile_events() != events  # it compiled or captured: a one-off cost (SPEC.md §8)
+        self._update(allocation, sizes, rows_read, committed, accepted, dict(zip(ran, counts)), seconds, cold)
         if self.budget is not None and rows_read:
             rest = values[7 + 2 * len(ran) :]
             per_row = dict(zip(ran, (rest[j * self.batch : (j + 1) * self.batch] for j in range(len(ran)))))
             unrun = [-1] * self.batch
-            began = time.perf_counter()
-            self.budget.observe(allocation, [per_row.get(i, unrun) for i in range(len(allocation))],
-                                rest[len(ran) * self.batch :], seconds, drafting, self.context)
+            lengths, taken_rows = [per_row.get(i, unrun) for i in range(len(allocation))], rest[len(ran) * self.batch :]
+            began, timed = time.perf_counter(), not cold
+            if self.guard is not None:
+                timed = self.guard.observe(allocation, seconds, committed, rows_read, lengths, taken_rows,
+                                           self.widths, drafting, cold)
+            self.budget.observe(allocation, lengths, taken_rows, seconds, drafting, self.context, timed)
             self.stats.selector_seconds += time.perf_counter() - began
         return bool(running)
 
@@ -332,7 +392,7 @@ class _TreeRun(_Run):
         return greedy_tree([p.tokens for p in parts])
 
     def _update(self, allocation: Allocation, sizes: list[int], rows: int, committed: int, accepted: int,
-                per_drafter: dict[int, int], seconds: float) -> None:
+                per_drafter: dict[int, int], seconds: float, cold: bool = False) -> None:
         """The step into the statistics (a step after every row finished is not counted); ``sizes``:
         the nodes of each drafter that ran."""
         if rows == 0:
@@ -340,7 +400,8 @@ class _TreeRun(_Run):
         stats, nodes = self.stats, sum(sizes)
         label = _label(self.plan.drafters, allocation, self.expansions,
                        [_nodes_at(self.expansions, i, k) for i, k in enumerate(allocation)])
-        stats.step_log.append(StepRecord(label if nodes else None, accepted, rows, committed, seconds))
+        stats.step_log.append(StepRecord(label if nodes else None, accepted, rows, committed, seconds, cold))
+        stats.cold_steps += cold
         stats.steps += 1
         stats.row_steps += rows
         stats.decode_tokens += committed

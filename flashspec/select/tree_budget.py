@@ -218,6 +218,16 @@ class TreeBudget:
                 break
         return total
 
+    def measured(self, allocation: Sequence[int]) -> bool:
+        """Whether the cost model measured ``allocation``'s node count and each of its proposals
+        (always, with a fixed ``cost``); else :meth:`seconds` is a prior."""
+        allocation = self._check(allocation)
+        with self._lock:
+            if self.cost is not None or not any(allocation):
+                return self.cost is not None or 0 in self._verify
+            return self._node_count(allocation) in self._verify and all(
+                g in self._propose[i] for i, g in enumerate(allocation) if g)
+
     def seconds(self, allocation: Sequence[int]) -> float:
         """The estimated seconds of a step of ``allocation``: ``cost(allocation)`` when given, else
         ``V(N) + Σ_{γ_i > 0} P_i(γ_i)``, ``N`` the tree's node count (SPEC.md §7)."""
@@ -269,6 +279,21 @@ class TreeBudget:
                     break
             return current
 
+    def ranking(self, context: Hashable = None, limit: int = 8) -> list[Allocation]:
+        """Up to ``limit`` drafting candidates by decreasing ``E[tokens] / E[seconds]`` (ties as
+        :meth:`best`; with coordinate ascent, :meth:`best` alone): what a guard tries after refusing
+        :meth:`choose`'s allocation (SPEC.md §7, "The never-slower guard for trees")."""
+        if self.candidates is None:
+            best = self.best(context)
+            return [best] if any(best) else []
+        with self._lock:
+            counts = self._counts(context, create=False)
+            curves = [self._survival(counts, i) for i in range(len(self.gamma_max))]
+            memo: dict[Any, float] = {}
+            rated = [(-self._expected(a, curves) / self._seconds(a, memo), n, a)
+                     for n, a in enumerate(self.candidates) if any(a)]
+        return [a for _, _, a in sorted(rated)[:limit]]
+
     def choose(self, context: Hashable = None) -> Allocation:
         """The allocation of the next step of ``context``: at its first step every drafter at its
         γ_max (a probe: full information at once); at every ``explore_every``-th step :meth:`best`
@@ -289,13 +314,16 @@ class TreeBudget:
 
     # ------------------------------------------------------------------ observations
     def observe(self, allocation: Sequence[int], lengths: Sequence[Sequence[int]], taken: Sequence[int],
-                seconds: float, drafting: Sequence[float] | None = None, context: Hashable = None) -> None:
+                seconds: float, drafting: Sequence[float] | None = None, context: Hashable = None,
+                timed: bool = True) -> None:
         """One step of ``allocation``: ``lengths[i][b]`` drafter ``i``'s would-be accepted length in
         row ``b`` (−1: not observed — the drafter did not run, or its branch was never tested),
         ``taken[b]`` the tokens row ``b`` committed (0: inactive), ``seconds`` the step's time and
         ``drafting[i]`` the seconds of drafter ``i``'s proposal (None: all 0, the whole step is
         charged to its node count). Only depths ``d ≤ γ_i`` are observed; a row cut short (EOS,
-        budget) after matching all it committed says nothing of the depths past what it committed."""
+        budget) after matching all it committed says nothing of the depths past what it committed.
+        ``timed=False``: the step's time is not a steady cost (it compiled, or stalled): only its
+        counts are learned."""
         allocation = self._check(allocation)
         seconds = _positive(seconds, "seconds")
         taken = [_count(t, "taken", 0) for t in taken]
@@ -335,7 +363,7 @@ class TreeBudget:
                                 counts.reached[i][d] += 1
                                 counts.long_reached[i][d] += 1
             counts.steps += 1
-            if self.cost is None:
+            if self.cost is None and timed:
                 self._sample(self._verify, self._node_count(allocation), max(seconds - sum(drafting), NEGLIGIBLE))
                 for i, g in enumerate(allocation):
                     if g:
