@@ -11,8 +11,10 @@ acceptance rate α, decode tokens/s and the drafter's share of decode time. One 
 
 ``workload`` other than ``corpus`` (:mod:`flashspec.data.workloads`) takes the prompts from
 MT-bench (chat only; both turns, turn 2 built on the target's own greedy first answer, generated
-before any timing), HumanEval (``text``: the raw prompts; ``chat``: chat requests) or a mix of the
-three, and reports by category (MT-bench category, ``humaneval``, corpus domain) instead of domain.
+before any timing), HumanEval (``text``: the raw prompts; ``chat``: chat requests), code edits or
+extraction (chat only, around held-out corpus snippets) or the mixed stream of those four, and
+reports by category (MT-bench category, ``humaneval``, ``code-edit``, ``text-extraction``)
+instead of domain.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ..engine import SpeculativeEngine
 from .acceptance_report import arm_label, plot, summarize, write
 from .e2e import _is_model, _is_self_drafter, _machine, drafter_name
 from .results import write_results
+from .workload_args import CHAT_ONLY
 
 TREE = "tree"  # the drafter name of the arms that run every drafter's chain in one draft tree
 
@@ -144,8 +147,9 @@ def workload_requests(
     """Prompts per style and category of ``workload`` (:data:`~flashspec.data.workloads.WORKLOADS`):
     ``per_category`` MT-bench questions per category (both turns; turn 2 needs ``answerer``, an
     engine that answers turn 1 greedy in ``max_new_tokens``), HumanEval problems, corpus prompts
-    per domain. ``text``: HumanEval's raw prompts and corpus continuations; ``chat``: chat requests.
-    Categories read ``workload/category`` under ``mixed``."""
+    per domain, code-edit and extraction requests (chat only). ``text``: HumanEval's raw prompts and
+    corpus continuations; ``chat``: chat requests. ``mixed``: MT-bench, HumanEval, code-edit and
+    extraction (:data:`~flashspec.data.workloads.MIXED_PARTS`); categories read ``workload/category``."""
     from ..data import workloads as wl
     from .requests import first_answers
 
@@ -154,9 +158,9 @@ def workload_requests(
                              prompt_tokens=prompt_tokens, snippet_tokens=snippet_tokens, seed=seed)
     if workload not in wl.WORKLOADS:
         raise ValueError(f"Unknown workload {workload!r}; choose from: {', '.join(wl.WORKLOADS)}.")
-    if workload == "mt-bench" and "text" in styles:
-        raise ValueError("MT-bench has chat requests only: use --styles chat.")
-    parts = {"mt-bench", "humaneval", "corpus"} if workload == "mixed" else {workload}
+    if workload in CHAT_ONLY and "text" in styles:
+        raise ValueError(f"{CHAT_ONLY[workload]} has chat requests only: use --styles chat.")
+    parts = set(wl.MIXED_PARTS) if workload == "mixed" else {workload}
     out: dict[str, dict[str, list[list[int]]]] = {}
     for style in styles:
         found: list[tuple[str, str, list[int]]] = []  # (workload, category, ids)
@@ -183,6 +187,10 @@ def workload_requests(
                                            prompts_per_domain=per_category, prompt_tokens=prompt_tokens,
                                            snippet_tokens=snippet_tokens, seed=seed)[style]
             found += [("corpus", d, ids) for d, ps in corpus_prompts.items() for ids in ps]
+        for name, build in (("code-edit", wl.code_edit_requests), ("extraction", wl.extraction_requests)):
+            if name in parts and style == "chat":
+                found += [(name, r.category, r.ids) for r in build(Path(corpus or "."), tokenizer, per_category, seed,
+                                                                   (snippet_tokens,))]
         out[style] = {}
         for source, category, ids in found:
             label = f"{source}/{category}" if workload == "mixed" and category != source else category

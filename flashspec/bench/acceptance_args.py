@@ -40,7 +40,8 @@ def add_parser(sub: Any) -> None:
                         "per node, NODES kept) instead of its chain (feature and EAGLE-3 drafters; SPEC.md §7)")
     p.add_argument("--styles", default=None,
                    help="comma-separated: text (held-out continuations of --prompt-tokens), chat (chat-formatted "
-                        "requests around --snippet-tokens snippets); default text,chat (chat for mt-bench)")
+                        "requests around --snippet-tokens snippets); default text,chat (chat for mt-bench, code-edit "
+                        "and extraction)")
     p.add_argument("--prompts-per-domain", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128, help="text prompts' length")
     p.add_argument("--snippet-tokens", type=int, default=192, help="chat requests' corpus snippet length")

@@ -26,7 +26,8 @@ def _source(settings: dict[str, Any]) -> str:
     workload = settings.get("workload", "corpus")
     if workload == "corpus":
         return f"the {settings['heldout']}"
-    corpus = f", corpus prompts from the {settings['heldout']}" if workload == "mixed" else ""
+    quoted = workload in ("mixed", "code-edit", "extraction")
+    corpus = f", corpus snippets from the {settings['heldout']}" if quoted else ""
     return f"the {workload} workload (the fewest of one category; MT-bench counts both turns{corpus})"
 
 

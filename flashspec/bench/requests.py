@@ -9,9 +9,9 @@ request: tokens/s of the first pass over the second (a first request must be as 
 hundredth: SPEC.md §7, "Warm shapes"), the default configuration over the target alone and over
 the best fixed arm for that request, the steps each arm ran and the cold steps (SPEC.md §8).
 Requests come from ``--workload`` (:mod:`flashspec.data.workloads`): the corpus's held-out part
-(the default), MT-bench, HumanEval or a mix; the report gives figures per category too. MT-bench's
-turn 2 carries the target's own first answer, generated greedy by the target alone before the
-timed passes (not timed).
+(the default), MT-bench, HumanEval, code edits, extraction or the mixed stream; the report gives
+figures per category too. MT-bench's turn 2 carries the target's own first answer, generated
+greedy by the target alone before the timed passes (not timed).
 """
 
 from __future__ import annotations
@@ -226,7 +226,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--target", required=True, help="folder, hub id or .gguf file")
     p.add_argument("--draft", action="append", default=[], help="a drafter (repeatable)")
     p.add_argument("--tokenizer", default=None, help="default: the target's")
-    add_workload_arguments(p, counts="--requests counts MT-bench questions (two requests each) and HumanEval problems then.")
+    add_workload_arguments(p, counts="--requests counts MT-bench questions (two requests each), HumanEval problems "
+                                     "and code-edit or extraction requests then.")
     p.add_argument("--corpus", default="../shared/corpus", help="the three-domain corpus (held-out part)")
     p.add_argument("--humaneval-style", default="chat", choices=HUMANEVAL_STYLES,
                    help="chat: the prompt in a 'Complete the following Python function' chat request (default); "
@@ -234,10 +235,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--requests", type=int, default=None,
                    help="items of the workload: corpus requests (default 24; domains and lengths cycled), MT-bench "
                         "questions (default all 80, two requests each), HumanEval problems (default all 164), "
-                        "mixed (default 24, a third from each)")
+                        "code-edit and extraction requests (default 24 each), mixed (default 32, a quarter from "
+                        "each of MT-bench, HumanEval, code-edit and extraction)")
     p.add_argument("--new-tokens", default=",".join(map(str, NEW_TOKENS)), help="new-token budgets, cycled")
     p.add_argument("--snippet-tokens", default=",".join(map(str, SNIPPETS)),
-                   help="corpus tokens in each corpus request's snippet, cycled (prompts of varied lengths)")
+                   help="corpus tokens in each corpus, code-edit or extraction request's snippet, cycled "
+                        "(prompts of varied lengths)")
     p.add_argument("--batch", type=int, default=1, help="requests per generate call")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
     p.add_argument("--seed", type=int, default=0)
@@ -268,7 +271,7 @@ def command(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be comma-separated whole numbers >= 1; got {text!r}.") from None
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature must be a finite number >= 0; got {args.temperature}.")
-    if args.workload in ("corpus", "mixed") and not Path(args.corpus).is_dir():
+    if args.workload in workloads.CORPUS_WORKLOADS and not Path(args.corpus).is_dir():
         raise ValueError(f"--corpus {args.corpus!r} is not a folder (the three-domain corpus).")
     if args.workload in ("mt-bench", "mixed"):  # a missing or corrupt file fails before the model loads
         workloads.read_mtbench(workloads.mtbench_file(args.mtbench_file))

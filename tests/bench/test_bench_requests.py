@@ -52,3 +52,35 @@ def test_the_goals_count_only_requests_where_an_arm_pays():
     assert "lowest 0.90, median 0.95" in report  # first / warm: 0.90 and 1.00
     assert "lowest 1.00, median 1.50" in report  # over the target alone: 1.00 and 2.00
     assert "lowest 1.25, median 1.25 over 1 requests" in report  # only the second pays (1.6x the target)
+
+
+@pytest.mark.default_configuration
+def test_the_mixed_stream_runs_half_in_runs_then_shuffled_and_reports_by_category(tmp_path, capsys):
+    target, _ = save_tiny_chat_pair(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    corpus = write_tiny_corpus(tmp_path / "corpus", lines=1500)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"Q{i}?", "And?"]}) + "\n"
+                                 for i, c in enumerate(["writing", "math"])))
+    problems = tmp_path / "he.jsonl"
+    problems.write_text("".join(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n"}) + "\n"
+                                for i in range(2)))
+    out = tmp_path / "out"
+    code = main(["bench", "requests", "--workload", "mixed", "--mtbench-file", str(questions), "--humaneval-file",
+                 str(problems), "--target", str(target), "--draft", "ngram", "--corpus", str(corpus), "--requests", "8",
+                 "--new-tokens", "6", "--snippet-tokens", "24", "--device", "cpu", "--dtype", "float32",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((out / "requests.json").read_text())
+    names = [n for g in results["groups"] for n in g["names"]]
+    # two of each workload: the first of each in runs (of one here), each MT-bench turn 2 after its turn 1
+    assert names[:5] == ["mt-bench/0/turn1", "mt-bench/0/turn2", "HumanEval/0", "code-edit/0", "extraction/0"]
+    assert sorted(names[5:]) == sorted(["mt-bench/1/turn1", "mt-bench/1/turn2", "HumanEval/1", "code-edit/1",
+                                        "extraction/1"])
+    assert names.index("mt-bench/1/turn2") == names.index("mt-bench/1/turn1") + 1
+    assert results["workload"].startswith("mixed, 10 requests: 4 MT-bench requests (2 questions, turns 1 and 2), "
+                                          "2 HumanEval problems, 2 code-edit requests (held-out code), 2 extraction")
+    report = (out / "requests.md").read_text()
+    by_category = [line.split(" (")[0] for line in report.splitlines() if line.startswith("* ") and "requests):" in line]
+    assert sorted(by_category) == ["* code-edit", "* extraction/text-extraction", "* humaneval",
+                                   "* mt-bench/math", "* mt-bench/writing"]

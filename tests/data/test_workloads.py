@@ -5,6 +5,7 @@ turn through a chat template, categories, the mixed order, and ``flashspec bench
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import json
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from chat_tokenizer import save_tiny_chat_pair
-from tiny_models import write_tiny_corpus
+from tiny_models import CharTokenizer, write_tiny_corpus
 
 from flashspec.data import registry, workloads
 from flashspec.data.workloads import Question
@@ -220,21 +221,102 @@ def test_humaneval_as_chat_requests_and_as_completion_prompts(tmp_path):
         workloads.humaneval_requests(tok, path=path, style="raw")
 
 
-def test_mixed_interleaves_the_three_in_a_fixed_order(tmp_path):
+def many_questions_and_problems(tmp_path: Path, n: int = 8) -> dict[str, Path]:
+    """MT-bench and HumanEval files of ``n`` items each (MT-bench: categories in blocks of two)."""
+    categories = ["writing", "math", "coding", "stem"]
+    questions = [{"question_id": 100 + i, "category": categories[i // 2 % 4], "turns": [f"Question {i}?", "More?"]}
+                 for i in range(n)]
+    problems = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n"} for i in range(n)]
+    return dict(mtbench_file=write_jsonl(tmp_path / "q.jsonl", questions),
+                humaneval_file=write_jsonl(tmp_path / "he.jsonl", problems))
+
+
+def mixed_files(tmp_path: Path) -> dict:
+    (tmp_path / "corpus").mkdir()
+    return dict(corpus=write_tiny_corpus(tmp_path / "corpus", lines=2000), snippets=(24,),
+                **many_questions_and_problems(tmp_path))
+
+
+def test_mixed_is_a_quarter_of_each_half_in_runs_then_a_seeded_shuffle(tmp_path):
+    tok = role_tokenizer()
+    files = mixed_files(tmp_path)
+    mixed = workloads.load("mixed", tok, **files)  # the default count: 32
+    kinds = [r.workload for r in mixed]
+    assert len(mixed) == 32 and all(kinds.count(k) == 8 for k in workloads.MIXED_PARTS)
+    # the first half: runs of 4 of one workload, workloads in turn; each workload's first 4 requests
+    assert kinds[:16] == ["mt-bench"] * 4 + ["humaneval"] * 4 + ["code-edit"] * 4 + ["extraction"] * 4
+    assert [r.name for r in mixed[:4]] == [f"mt-bench/{q}/turn1" for q in (100, 102, 104, 106)]  # categories in turn
+    assert [r.name for r in mixed[4:8]] == [f"HumanEval/{i}" for i in range(4)]
+    assert [r.name for r in mixed[8:16]] == [f"code-edit/{i}" for i in range(4)] + [f"extraction/{i}" for i in range(4)]
+    # the second half: the other 4 of each, shuffled (the workload changes far more often than in runs)
+    assert sorted(r.name for r in mixed[16:]) == sorted([f"mt-bench/{q}/turn1" for q in (101, 103, 105, 107)]
+                                                         + [f"HumanEval/{i}" for i in range(4, 8)]
+                                                         + [f"code-edit/{i}" for i in range(4, 8)]
+                                                         + [f"extraction/{i}" for i in range(4, 8)])
+    assert all(kinds[16:].count(k) == 4 for k in workloads.MIXED_PARTS)
+    assert sum(a != b for a, b in zip(kinds[16:], kinds[17:])) > 3
+    again = workloads.load("mixed", tok, **files)
+    assert [(r.name, r.ids) for r in again] == [(r.name, r.ids) for r in mixed]
+    other = workloads.load("mixed", tok, seed=1, **files)
+    assert [r.name for r in other[:16]] == [r.name for r in mixed[:16]]
+    assert sorted(r.name for r in other[16:]) == sorted(r.name for r in mixed[16:])
+    assert [r.name for r in other[16:]] != [r.name for r in mixed[16:]]
+    assert {(r.workload, r.category) for r in mixed if r.workload in ("code-edit", "extraction")} == {
+        ("code-edit", "code-edit"), ("extraction", "text-extraction")}
+    assert workloads.describe("mixed", mixed) == (
+        "mixed, 32 requests: 8 MT-bench requests (8 questions, turn 1), 8 HumanEval problems, 8 code-edit requests "
+        "(held-out code), 8 extraction requests (held-out prose); the first half of each workload's requests in runs "
+        "of 4 of one workload, workloads in turn, then the rest in a seeded random order (an MT-bench turn 2 right "
+        "after its turn 1)")
+
+
+def test_mixed_splits_the_count_evenly_earlier_workloads_taking_the_rest(tmp_path):
+    tok = role_tokenizer()
+    files = mixed_files(tmp_path)
+    mixed = workloads.load("mixed", tok, count=6, **files)
+    assert [r.workload for r in mixed[:4]] == list(workloads.MIXED_PARTS)  # halves of one or two: runs of one
+    assert sorted(r.workload for r in mixed[4:]) == ["humaneval", "mt-bench"]
+    assert workloads.describe("mixed", mixed).startswith(
+        "mixed, 6 requests: 2 MT-bench requests (2 questions, turn 1), 2 HumanEval problems, 1 code-edit requests")
+    assert [r.workload for r in workloads.load("mixed", tok, count=1, **files)] == ["mt-bench"]
+
+
+def test_mixed_order_takes_runs_until_each_half_is_used_up():
+    def requests(kind: str, n: int) -> list:
+        return [workloads.WorkloadRequest(kind, kind, f"{kind}/{i}", [i]) for i in range(n)]
+
+    parts = [requests("a", 9), requests("b", 2), [], requests("c", 5)]
+    order = [r.name for r in workloads.mixed_order(parts, seed=3, run=4)]
+    assert order[:9] == ["a/0", "a/1", "a/2", "a/3", "b/0", "c/0", "c/1", "c/2", "a/4"]
+    assert sorted(order[9:]) == ["a/5", "a/6", "a/7", "a/8", "b/1", "c/3", "c/4"]
+    assert [r.name for r in workloads.mixed_order(parts, seed=3, run=4)] == order
+    assert [r.name for r in workloads.mixed_order(parts, seed=3, run=9)][:9] == [
+        "a/0", "a/1", "a/2", "a/3", "a/4", "b/0", "c/0", "c/1", "c/2"]
+    with pytest.raises(ValueError, match="run must be an integer >= 1"):
+        workloads.mixed_order(parts, run=0)
+
+
+def test_an_mtbench_turn_two_follows_its_turn_one_in_the_mixed_stream(tmp_path):
+    tok = role_tokenizer()
+    mixed = workloads.load("mixed", tok, **mixed_files(tmp_path))
+    both = workloads.add_second_turns(tok, mixed, lambda firsts: ["answer"] * len(firsts))
+    assert len(both) == 40 and [r.workload for r in both[:8]] == ["mt-bench"] * 8  # a run holds both turns
+    for i, r in enumerate(both):
+        if r.turn == 2:
+            assert both[i - 1].name == r.name.removesuffix("turn2") + "turn1"
+    assert [r for r in both if r.turn == 1] == mixed
+    assert workloads.describe("mixed", both).startswith("mixed, 40 requests: 16 MT-bench requests (8 questions, "
+                                                        "turns 1 and 2)")
+
+
+def test_the_corpus_workload_is_unchanged(tmp_path):
     tok = role_tokenizer()
     (tmp_path / "corpus").mkdir()
-    files = dict(corpus=write_tiny_corpus(tmp_path / "corpus", lines=400),
-                 mtbench_file=write_jsonl(tmp_path / "q.jsonl", QUESTIONS),
-                 humaneval_file=write_jsonl(tmp_path / "he.jsonl", PROBLEMS), snippets=(16,))
-    mixed = workloads.load("mixed", tok, count=7, **files)
-    assert [r.workload for r in mixed] == ["mt-bench", "humaneval", "corpus"] * 2 + ["mt-bench"]
-    assert [r.category for r in mixed] == ["writing", "humaneval", "code", "math", "humaneval", "prose", "coding"]
-    again = workloads.load("mixed", tok, count=7, **files)
-    assert [(r.name, r.ids) for r in again] == [(r.name, r.ids) for r in mixed]
-    corpus = workloads.load("corpus", tok, count=3, **files)
-    assert [r.category for r in corpus] == ["code", "prose", "chat"] and corpus[0].ids == mixed[2].ids
-    assert workloads.describe("mixed", mixed) == ("mixed, 7 requests: 3 MT-bench requests (3 questions, turn 1), "
-                                                  "2 HumanEval problems, 2 held-out corpus requests")
+    corpus = write_tiny_corpus(tmp_path / "corpus", lines=400)
+    requests = workloads.load("corpus", tok, count=4, corpus=corpus, snippets=(16,))
+    assert [r.category for r in requests] == ["code", "prose", "chat", "code"]
+    assert requests[1].ids == workloads.corpus_requests(corpus, tok, 2, 0, (16,))[1].ids
+    assert workloads.describe("corpus", requests) == "corpus, 4 requests: 4 held-out corpus requests"
 
 
 def test_bad_workload_arguments_are_clear_errors(tmp_path):
@@ -245,6 +327,20 @@ def test_bad_workload_arguments_are_clear_errors(tmp_path):
         workloads.load("corpus", tok, corpus=tmp_path / "nowhere")
     with pytest.raises(ValueError, match="count must be an integer >= 1"):
         workloads.load("humaneval", tok, count=0, humaneval_file=write_jsonl(tmp_path / "he.jsonl", PROBLEMS))
+    for workload in ("code-edit", "extraction", "mixed"):
+        with pytest.raises(ValueError, match=f"The {workload} workload needs the corpus folder; None is not a folder"):
+            workloads.load(workload, tok)
+    (tmp_path / "corpus").mkdir()
+    corpus = write_tiny_corpus(tmp_path / "corpus", lines=400)
+    with pytest.raises(ValueError, match="count must be an integer >= 1"):
+        workloads.load("code-edit", tok, count=0, corpus=corpus)
+    (corpus / "prose.txt.xz").unlink()
+    with pytest.raises(ValueError, match="The extraction workload needs the corpus's prose file .*prose.txt.xz"):
+        workloads.load("extraction", tok, count=2, corpus=corpus)
+    with pytest.raises(ValueError, match="The held-out code text is too short for snippets of 5000 tokens"):
+        workloads.load("code-edit", tok, count=2, corpus=corpus, snippets=(5000,))
+    with pytest.raises(ValueError, match="Chat requests need a tokenizer with a chat template"):
+        workloads.load("code-edit", CharTokenizer(), count=2, corpus=corpus)
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -329,20 +425,28 @@ def test_bench_acceptance_reports_a_mixed_workload_by_category(tmp_path, capsys)
     rows = json.loads((out / "acceptance.json").read_text())["rows"]
     chat = {r["domain"]: r["prompts"] for r in rows if r["style"] == "chat"}
     assert chat == {"mt-bench/writing": 2, "mt-bench/math": 2, "mt-bench/coding": 2, "humaneval": 1,
-                    "corpus/code": 1, "corpus/prose": 1, "corpus/chat": 1}  # MT-bench: both turns
+                    "code-edit": 1, "extraction/text-extraction": 1}  # MT-bench: both turns
     text = {r["domain"]: r["prompts"] for r in rows if r["style"] == "text"}
-    assert text == {"humaneval": 1, "corpus/code": 1, "corpus/prose": 1, "corpus/chat": 1}
+    assert text == {"humaneval": 1}  # the only workload of the four with completion prompts
     assert all(r["tokens_per_step"] >= 1 for r in rows)
     report = (out / "acceptance.md").read_text()
     assert "from the mixed workload" in report and "| ngram@2 |" in report
 
 
-def test_bench_acceptance_refuses_text_prompts_for_mtbench(capsys):
+@pytest.mark.parametrize("workload, name", [("mt-bench", "MT-bench"), ("code-edit", "The code-edit workload"),
+                                            ("extraction", "The extraction workload")])
+def test_bench_acceptance_refuses_text_prompts_for_chat_only_workloads(capsys, workload, name):
+    from flashspec.bench.acceptance_args import add_parser
+    from flashspec.bench.workload_args import acceptance_styles
     from flashspec.cli import main
 
-    assert main(["bench", "acceptance", "--workload", "mt-bench", "--styles", "text,chat", "--target",
+    assert main(["bench", "acceptance", "--workload", workload, "--styles", "text,chat", "--target",
                  "/nonexistent", "--draft", "ngram", "--no-progress"]) == 2
-    assert "MT-bench has chat requests only: use --styles chat." in capsys.readouterr().err
+    assert f"{name} has chat requests only: use --styles chat." in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert acceptance_styles(parser.parse_args(["acceptance", "--workload", workload])) == "chat"
+    assert acceptance_styles(parser.parse_args(["acceptance", "--workload", "mixed"])) == "text,chat"
 
 
 def test_bench_requests_checks_the_workload_file_before_loading_the_target(tmp_path, capsys):
