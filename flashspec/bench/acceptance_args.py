@@ -8,9 +8,16 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .workload_args import acceptance_styles, add_workload_arguments, comma_gammas, comma_list, workload_options
+from .workload_args import (
+    acceptance_styles,
+    add_workload_arguments,
+    comma_gammas,
+    comma_list,
+    parse_expand,
+    workload_options,
+)
 
-__all__ = ["add_parser", "command"]
+__all__ = ["add_parser", "command", "parse_expand"]
 
 
 def add_parser(sub: Any) -> None:
@@ -84,18 +91,3 @@ def command(args: argparse.Namespace) -> None:
     )
     print(summarize(results))
 
-
-def parse_expand(values: list[str] | None) -> dict[str, tuple[int, int]] | None:
-    """``["NAME=TOPK,NODES", ...]`` → ``{NAME: (TOPK, NODES)}``; a malformed one is a ValueError."""
-    if not values:
-        return None
-    out: dict[str, tuple[int, int]] = {}
-    for value in values:
-        name, _, pair = value.rpartition("=")
-        numbers = pair.split(",")
-        if not name or len(numbers) != 2 or not all(n.strip().isdigit() for n in numbers):
-            raise ValueError(f"--expand takes NAME=TOPK,NODES (e.g. feature-general=4,16); got {value!r}.")
-        if name in out:
-            raise ValueError(f"--expand names {name!r} twice.")
-        out[name] = (int(numbers[0]), int(numbers[1]))
-    return out

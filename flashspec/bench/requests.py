@@ -11,7 +11,10 @@ the best fixed arm for that request, the steps each arm ran and the cold steps (
 Requests come from ``--workload`` (:mod:`flashspec.data.workloads`): the corpus's held-out part
 (the default), MT-bench, HumanEval, code edits, extraction or the mixed stream; the report gives
 figures per category too. MT-bench's turn 2 carries the target's own first answer, generated
-greedy by the target alone before the timed passes (not timed).
+greedy by the target alone before the timed passes (not timed). With ``--tree`` the same requests
+then run as draft trees, fixed and chosen per step from full information
+(:mod:`flashspec.bench.requests_tree`), and the report compares stream totals against the best
+single fixed configuration.
 """
 
 from __future__ import annotations
@@ -24,8 +27,20 @@ from typing import Any
 
 from ..data import workloads
 from ..data.workloads import HUMANEVAL_STYLES
+from .requests_tree import (
+    SETTLE_SHARE,
+    SETTLE_WINDOW,
+    TREE_AUTO,
+    check_trees,
+    group_labels,
+    measure,
+    run_trees,
+    summary,
+    tree_gammas,
+    tree_lines,
+)
 from .results import write_results
-from .workload_args import add_workload_arguments
+from .workload_args import add_workload_arguments, parse_expand
 
 __all__ = ["add_parser", "command", "first_answers", "run", "table", "workload", "workload_requests"]
 
@@ -79,37 +94,34 @@ def workload_requests(name: str, tokenizer: Any, *, count: int | None = None, co
 
 def _call(engine: Any, group: list[dict[str, Any]], temperature: float, seed: int) -> dict[str, Any]:
     """One ``generate`` of ``group``'s prompts, timed as the caller sees it (prefill included)."""
-    from ..tuning.timing import measured
-
-    new = max(r["max_new_tokens"] for r in group)
-    with measured(engine.target.device) as m:
-        out = engine.generate([r["ids"] for r in group], max_new_tokens=new, do_sample=temperature > 0,
-                              temperature=temperature or 1.0, seed=seed)
-    steps = {label: per.steps for label, per in out.stats.per_arm.items() if per.steps}
+    out, call = measure(engine, engine.generate, group, temperature, seed)
     # What the guard carries to the next request (SPEC.md §8, "What carries over"), in target steps:
     # why a drafting arm was or was not admitted.
     names = [engine.drafters[d].name for d in range(len(engine.drafters))]
-    return {"tokens": out.stats.new_tokens, "seconds": m["seconds"],
-            "tokens_per_second": out.stats.new_tokens / m["seconds"], "steps": steps,
-            "cold_steps": out.stats.cold_steps, "guard_refused": out.stats.guard_refused,
-            "decode_tokens": out.stats.decode_tokens, "row_steps": out.stats.row_steps,
+    return {**call, "guard_refused": out.stats.guard_refused,
             "guard_step_costs": {engine.arm_label(a, 4): round(r, 3) for a, r in engine.arm_costs.items()},
             "guard_catch_up_costs": {f"{names[d]}/{b}": round(r, 3) for (d, b), r in engine.catch_up_costs.items()}}
 
 
 def run(target: Any, drafters: list[Any], requests: list[dict[str, Any]], *, batch: int = 1, temperature: float = 0.0,
         compile: bool = False, device: Any = None, dtype: Any = None, tokenizer: Any = None, seed: int = 0,
-        progress: bool = True, workload: str | None = None) -> dict[str, Any]:
+        progress: bool = True, workload: str | None = None, tree: bool = False,
+        expand: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     """The measurements of the module docstring, as a JSON-ready dict. ``workload``: the words
-    the report's first line gives for the requests (their workload and size)."""
+    the report's first line gives for the requests (their workload and size). ``tree``: then the
+    draft-tree systems of :mod:`flashspec.bench.requests_tree`; ``expand``: drafter name →
+    ``(topk, nodes)``, that drafter's part of every tree a top-k expansion (SPEC.md §7)."""
     from tqdm.auto import tqdm
 
     from ..engine import SpeculativeEngine
     from ..tuning.calibrate import device_name
 
+    if expand and not tree:
+        raise ValueError("Top-k expansion (--expand) shapes the draft trees: add --tree.")
     started = time.perf_counter()
     engine = SpeculativeEngine(target, drafters, compile=compile, device=device, dtype=dtype, tokenizer=tokenizer)
     startup = time.perf_counter() - started
+    expanded = check_trees(engine, expand) if tree else {}  # before anything runs: the engine can decode trees
     groups = [requests[i : i + batch] for i in range(0, len(requests), batch)]
     systems: dict[str, list[dict[str, Any]]] = {}
     for name in ("first", "warm"):
@@ -125,25 +137,32 @@ def run(target: Any, drafters: list[Any], requests: list[dict[str, Any]], *, bat
                                                                                  disable=not progress)]
     finally:
         engine.selection, engine.slack = selection, slack
+    if tree:
+        systems.update(run_trees(engine, groups, temperature, seed, expanded, progress))
     param = next(engine.target.parameters())
-    return {"device": device_name(param.device), "dtype": str(param.dtype).removeprefix("torch."),
-            "workload": workload, "compile": compile, "batch": batch, "temperature": temperature,
-            "startup_seconds": startup,
-            "warmup_seconds": engine.warmup_seconds, "fixed_shapes": engine.fixed_shapes,
-            "groups": [{"domains": [r["domain"] for r in g], "workloads": [r.get("workload", "corpus") for r in g],
-                        "names": [r.get("name") for r in g], "prompt_tokens": [len(r["ids"]) for r in g],
-                        "max_new_tokens": max(r["max_new_tokens"] for r in g)} for g in groups],
-            "systems": systems}
+    results = {"device": device_name(param.device), "dtype": str(param.dtype).removeprefix("torch."),
+               "workload": workload, "compile": compile, "batch": batch, "temperature": temperature,
+               "startup_seconds": startup,
+               "warmup_seconds": engine.warmup_seconds, "fixed_shapes": engine.fixed_shapes,
+               "groups": [{"domains": [r["domain"] for r in g], "workloads": [r.get("workload", "corpus") for r in g],
+                           "names": [r.get("name") for r in g], "prompt_tokens": [len(r["ids"]) for r in g],
+                           "max_new_tokens": max(r["max_new_tokens"] for r in g)} for g in groups],
+               "tree": {"gammas": tree_gammas(engine), "expand": {n: [e.topk, e.nodes] for n, e in expanded.items()},
+                        "settle_window": SETTLE_WINDOW, "settle_share": SETTLE_SHARE} if tree else None,
+               "systems": systems}
+    results["summary"] = summary(results)
+    return results
 
 
 def table(results: dict[str, Any]) -> str:
-    """The markdown report: the workload, one row per request (group), the goals' summary, then
+    """The markdown report: the workload, one row per request (group), the goals' summary, the
+    stream totals (with ``--tree``, the draft trees' summary and rows: :func:`tree_lines`), then
     figures per category (MT-bench category, ``humaneval``, corpus domain)."""
     systems = results["systems"]
-    arms = [name for name in systems if name not in ("first", "warm")]
+    arms = [name for name in systems if name not in ("first", "warm", TREE_AUTO) and not name.startswith("tree@")]
     base = "target@0" if "target@0" in systems else None
     fixed = [a for a in arms if a != base]
-    labels = _labels(results["groups"])
+    labels = group_labels(results["groups"])
     lines = [f"Workload {results['workload']}."] if results.get("workload") else []
     lines += [f"Default configuration as a user meets it: {results['device']}, {results['dtype']}, "
               f"compile={results['compile']}, batch {results['batch']}, T = {results['temperature']}; start-up "
@@ -180,19 +199,7 @@ def table(results: dict[str, Any]) -> str:
     lines.append(f"* Default over the best fixed arm where that arm beats the target alone by {PAYS - 1:.0%}: "
                  + (f"lowest {min(over_best):.2f}, median {statistics.median(over_best):.2f} over {len(over_best)} "
                     "requests (goal: at least 0.90)." if over_best else "no such request."))
-    return "\n".join(lines + _by_category(results, labels, base)) + "\n"
-
-
-def _labels(groups: list[dict[str, Any]]) -> list[str]:
-    """Each group's category (``workload/category`` when several workloads ran), ``a+b`` for a
-    group of several categories."""
-    mixed = len({w for g in groups for w in g.get("workloads", ["corpus"])}) > 1
-    out = []
-    for g in groups:
-        sources = g.get("workloads", ["corpus"] * len(g["domains"]))
-        names = [f"{w}/{c}" if mixed and c != w else c for w, c in zip(sources, g["domains"])]
-        out.append("+".join(dict.fromkeys(names)))
-    return out
+    return "\n".join(lines + tree_lines(results) + _by_category(results, labels, base)) + "\n"
 
 
 def _by_category(results: dict[str, Any], labels: list[str], base: str | None) -> list[str]:
@@ -247,6 +254,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
     p.add_argument("--compile", action="store_true", help="SpeculativeEngine(compile=True), as README's GPU default")
+    p.add_argument("--tree", action="store_true",
+                   help="then draft trees on the same warm engine: one fixed tree@γ per drafter's largest γ (every "
+                        "drafter's chain in one tree) and 'tree auto' (generate_tree(gammas='auto'), one budget "
+                        "learning across the stream; SPEC.md §7)")
+    p.add_argument("--expand", action="append", default=None, metavar="NAME=TOPK,NODES",
+                   help="with --tree: drafter NAME's part of each tree is an EAGLE-2 top-k expansion (TOPK children "
+                        "per node, NODES kept) instead of its chain (feature and EAGLE-3 drafters; repeatable)")
     p.add_argument("--out", default="bench-results/requests", help="folder for requests.json and requests.md")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=command)
@@ -269,6 +283,9 @@ def command(args: argparse.Namespace) -> None:
             sizes[flag] = tuple(check_int(flag, int(v), 1) for v in text.split(","))
         except ValueError:
             raise ValueError(f"{flag} must be comma-separated whole numbers >= 1; got {text!r}.") from None
+    expand = parse_expand(args.expand)
+    if expand and not args.tree:
+        raise ValueError("Top-k expansion (--expand) shapes the draft trees: add --tree.")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature must be a finite number >= 0; got {args.temperature}.")
     if args.workload in workloads.CORPUS_WORKLOADS and not Path(args.corpus).is_dir():
@@ -287,7 +304,8 @@ def command(args: argparse.Namespace) -> None:
                                  humaneval_file=args.humaneval_file, humaneval_style=args.humaneval_style)
     results = run(loader.target, args.draft, requests, batch=args.batch, temperature=args.temperature,
                   compile=args.compile, tokenizer=loader.tokenizer, seed=args.seed, progress=not args.no_progress,
-                  workload=workloads.describe(args.workload, [r["request"] for r in requests]))
+                  workload=workloads.describe(args.workload, [r["request"] for r in requests]), tree=args.tree,
+                  expand=expand)
     report = table(results)
     write_results(Path(args.out) / "requests.json", results, report)
     print(report)

@@ -1,4 +1,5 @@
-"""The ``--workload`` options the benchmarks share (``flashspec bench requests``, ``acceptance``).
+"""The options the benchmarks share (``flashspec bench requests``, ``acceptance``): ``--workload``,
+comma-separated lists, ``--gammas``, ``--expand``.
 
 Kept apart from the benchmarks themselves so that building the command line's parser imports
 nothing heavy. The workloads are in :mod:`flashspec.data.workloads`.
@@ -11,7 +12,7 @@ from typing import Any
 
 from ..data.workloads import WORKLOADS
 
-__all__ = ["CHAT_ONLY", "acceptance_styles", "add_workload_arguments", "comma_gammas", "comma_list",
+__all__ = ["CHAT_ONLY", "acceptance_styles", "add_workload_arguments", "comma_gammas", "comma_list", "parse_expand",
            "workload_options"]
 
 # The workloads with chat requests only (no completion prompts), as an error message names them.
@@ -74,3 +75,19 @@ def comma_gammas(text: str) -> list[int]:
     if not gammas or min(gammas) < 1:
         raise ValueError(f"--gammas must be comma-separated integers >= 1; got {text!r}.")
     return gammas
+
+
+def parse_expand(values: list[str] | None) -> dict[str, tuple[int, int]] | None:
+    """``["NAME=TOPK,NODES", ...]`` → ``{NAME: (TOPK, NODES)}``; a malformed one is a ValueError."""
+    if not values:
+        return None
+    out: dict[str, tuple[int, int]] = {}
+    for value in values:
+        name, _, pair = value.rpartition("=")
+        numbers = pair.split(",")
+        if not name or len(numbers) != 2 or not all(n.strip().isdigit() for n in numbers):
+            raise ValueError(f"--expand takes NAME=TOPK,NODES (e.g. feature-general=4,16); got {value!r}.")
+        if name in out:
+            raise ValueError(f"--expand names {name!r} twice.")
+        out[name] = (int(numbers[0]), int(numbers[1]))
+    return out
