@@ -680,7 +680,7 @@ def test_bad_expand_options_are_clear_errors():
     e = expanding_engine("feature")
     name = e.drafters[0].name
     cases = [({"nope": (2, 2)}, [2, 1, 1], "'nope', which is not a drafter of this engine"),
-             ({"ngram": (2, 2)}, [2, 1, 1], "'ngram' cannot expand"),
+             ({e.drafters[2].name: (2, 2)}, [2, 1, 1], f"'{e.drafters[2].name}' cannot expand"),
              ([(2, 2)], [2, 1, 1], "expand must map drafter names"),
              ({name: 3}, [2, 1, 1], r"must be a TreeExpansion\(topk, nodes\) or a \(topk, nodes\) pair"),
              ({name: (0, 2)}, [2, 1, 1], "topk must be an integer from 1 to 64; got 0"),

@@ -272,7 +272,8 @@ def run(
     SPEC.md §7), labelled ``tree@γ`` (token-wise rule only). ``block_size``: every arm's drafts drafted,
     scored and verified in chunks of this many (SPEC.md §2, "Chunked drafting"; not the tree arms).
     ``expand``: drafter name → ``(topk, nodes)``: in the tree arms, that feature or EAGLE-3 head's part
-    is an EAGLE-2 top-k expansion of depth γ instead of its chain (SPEC.md §7, "Top-k expansion")."""
+    is an EAGLE-2 top-k expansion of depth γ instead of its chain, the n-gram's several continuations
+    (SPEC.md §7, "Top-k expansion", "Several n-gram continuations")."""
     styles = list(requests)
     counts = [len(ps) for by_domain in requests.values() for ps in by_domain.values()]
     check_options(drafters=list(drafters), gammas=list(gammas), styles=styles,

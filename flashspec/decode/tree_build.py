@@ -57,7 +57,7 @@ def check_expand(drafters: Sequence[Drafter], expand: Any, gammas: Sequence[int]
         i = names.index(name)
         if not isinstance(drafters[i], ExpandsTrees):
             raise ValueError(f"Drafter {name!r} cannot expand a draft tree; top-k expansion needs a feature or "
-                             "EAGLE-3 head (feature:DIR, eagle3:DIR).")
+                             "EAGLE-3 head (feature:DIR, eagle3:DIR), or the n-gram drafter (several continuations).")
         if isinstance(option, tuple) and len(option) == 2:
             option = TreeExpansion(*option)
         if not isinstance(option, TreeExpansion):

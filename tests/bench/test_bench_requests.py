@@ -197,12 +197,13 @@ def test_a_feature_drafters_part_of_every_tree_can_be_an_expansion(tmp_path):
     (["--tree", "--expand", "ngram=2"], "NAME=TOPK,NODES"),
     (["--tree", "--expand", "ngram=2,3", "--expand", "ngram=2,4"], "twice"),
     (["--tree", "--expand", "other=2,3"], "not a drafter of this engine"),
-    (["--tree", "--expand", "ngram=2,3"], "cannot expand a draft tree"),
+    (["--tree", "--expand", "draft=2,3"], "cannot expand a draft tree"),
 ])
 def test_bad_expansions_are_clear_errors_before_anything_is_timed(tmp_path, capsys, options, message):
-    target, _, corpus = _chat_corpus(tmp_path)
+    target, draft, corpus = _chat_corpus(tmp_path)
     out = tmp_path / "out"
-    code = main(["bench", "requests", "--target", str(target), "--draft", "ngram", "--corpus", str(corpus),
+    code = main(["bench", "requests", "--target", str(target), "--draft", "ngram", "--draft", str(draft),
+                 "--corpus", str(corpus),
                  "--requests", "2", "--new-tokens", "8", "--device", "cpu", "--out", str(out), "--no-progress",
                  *options])
     assert code == 2 and message in capsys.readouterr().err
