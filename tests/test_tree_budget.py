@@ -409,9 +409,9 @@ class Scripted(TreeBudget):
     def choose(self, context=None):
         return self.script[len(self.reports) % len(self.script)]
 
-    def observe(self, allocation, lengths, taken, seconds, drafting=None, context=None):
+    def observe(self, allocation, lengths, taken, seconds, drafting=None, context=None, cold=False):
         self.reports.append((allocation, lengths, taken))
-        super().observe(allocation, lengths, taken, seconds, drafting, context)
+        super().observe(allocation, lengths, taken, seconds, drafting, context, cold=cold)
 
 
 def test_a_drafter_left_out_catches_up_when_it_returns():

@@ -289,13 +289,16 @@ class TreeBudget:
 
     # ------------------------------------------------------------------ observations
     def observe(self, allocation: Sequence[int], lengths: Sequence[Sequence[int]], taken: Sequence[int],
-                seconds: float, drafting: Sequence[float] | None = None, context: Hashable = None) -> None:
+                seconds: float, drafting: Sequence[float] | None = None, context: Hashable = None,
+                cold: bool = False) -> None:
         """One step of ``allocation``: ``lengths[i][b]`` drafter ``i``'s would-be accepted length in
         row ``b`` (−1: not observed — the drafter did not run, or its branch was never tested),
         ``taken[b]`` the tokens row ``b`` committed (0: inactive), ``seconds`` the step's time and
         ``drafting[i]`` the seconds of drafter ``i``'s proposal (None: all 0, the whole step is
         charged to its node count). Only depths ``d ≤ γ_i`` are observed; a row cut short (EOS,
-        budget) after matching all it committed says nothing of the depths past what it committed."""
+        budget) after matching all it committed says nothing of the depths past what it committed.
+        ``cold``: the step captured a CUDA graph or compiled code; its counts are kept, its times are
+        not what the allocation costs from then on, so the cost model does not see them (SPEC.md §8)."""
         allocation = self._check(allocation)
         seconds = _positive(seconds, "seconds")
         taken = [_count(t, "taken", 0) for t in taken]
@@ -335,7 +338,7 @@ class TreeBudget:
                                 counts.reached[i][d] += 1
                                 counts.long_reached[i][d] += 1
             counts.steps += 1
-            if self.cost is None:
+            if self.cost is None and not cold:
                 self._sample(self._verify, self._node_count(allocation), max(seconds - sum(drafting), NEGLIGIBLE))
                 for i, g in enumerate(allocation):
                     if g:
