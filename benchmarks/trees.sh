@@ -9,7 +9,8 @@
 #   WORKLOADS ["humaneval mt-bench"], TEMPERATURES ["0 0.7"], GAMMAS ["3,5"], PER_CATEGORY [10 MT-bench
 #   questions per category; 164 HumanEval problems], NEW_TOKENS [256], BATCH [1], DTYPE [bfloat16],
 #   MTBENCH / HUMANEVAL [fetched], EXPAND [none; e.g. "feature-general=4,16": that drafter's part of each
-#   tree is a top-k expansion, SPEC.md §7]. Trees run eagerly, so no arm is compiled here.
+#   tree is a top-k expansion, SPEC.md §7]. Tree steps replay CUDA graphs as chain steps do, but their forward
+#   is never compiled (SPEC.md §3), so no arm is compiled here.
 set -euo pipefail
 source "$(dirname "$0")/inputs.sh"
 files=(); [ -n "${MTBENCH:-}" ] && files+=(--mtbench-file "$MTBENCH")

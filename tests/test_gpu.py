@@ -188,7 +188,7 @@ def test_prefills_of_many_rows_run_eagerly_and_still_match_hf_generate():
 
 def test_tree_decoding_on_cuda_equals_generate():
     """SPEC.md §7, "Draft trees in the decode loop", on CUDA: n-gram and a model drafter's chains in
-    one tree per step, scored by the eager tree forward over the static cache; greedy output equals
+    one tree per step, scored by the tree forward over the static cache; greedy output equals
     ``model.generate`` (float32), ragged rows included."""
     target, other = tiny("qwen2", 0), tiny("qwen2", 1)
     engine = SpeculativeEngine(target, ["ngram", other, target], warmup=False)
@@ -196,6 +196,77 @@ def test_tree_decoding_on_cuda_equals_generate():
     out = engine.generate_tree(prompts, gammas=[3, 2, 4], max_new_tokens=12, eos_token_id=[])
     assert out.sequences == [hf_greedy(target, p, 12) for p in prompts]
     assert out.stats.per_drafter[engine.drafters[2].name].accepted > 0  # the target as its own drafter
+
+
+def _tree_calls(engine, capture: bool = True) -> list:
+    """Every tree step ``engine`` runs from now on, as ``(key, whether its graph was captured before)``;
+    ``capture=False``: its tree steps run eagerly (keyed None), its other graphs as before."""
+    calls, graphs, run = [], engine._graphs, engine._graphs.run
+
+    def recording(key, fn, warm=False):
+        if isinstance(key, tuple) and key[:1] == ("tree",):
+            calls.append((key, key in graphs))
+            key = key if capture else None
+        return run(key, fn, warm)
+
+    graphs.run = recording
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tree_steps_replayed_from_graphs_equal_eager_ones(arch, dtype):
+    """SPEC.md §7, "Tree steps are graphs too": drafters [n-gram, a model, the target itself], a ragged
+    batch of 3 (4 rows) and one row, draft lengths (3, 2, 4) and (1, 1, 1) (12 and 3 node slots) and
+    ``"auto"``, each called twice on one engine: the tokens equal those of the same engine whose tree
+    steps run eagerly (its prefill and proposals replayed as here: the comparison holds in bfloat16 too)
+    and, in float32, those with every graph off and ``model.generate``'s. The first step of a new layout
+    captures its graph and is cold; the second call of fixed lengths only replays (several steps of one
+    key); seeded sampling (laws in the tree) gives the tokens of the eager tree steps too."""
+    target, other = tiny(arch, 0, dtype), tiny(arch, 1, dtype)
+    graphed, eager, plain = (SpeculativeEngine(target, ["ngram", other, target], warmup=False) for _ in range(3))
+    assert graphed._graphs.enabled
+    calls = _tree_calls(graphed)
+    _tree_calls(eager, capture=False)
+    plain._graphs.enabled = False
+    ragged = [[(7 * i + r) % 90 + 1 for i in range(4 + 5 * r)] for r in range(3)]
+    kwargs = dict(max_new_tokens=20, eos_token_id=[])
+    for prompts in (ragged, ragged[1:2]):
+        for gammas in ([3, 2, 4], [1, 1, 1], "auto"):
+            first = graphed.generate_tree(prompts, gammas=gammas, **kwargs)
+            since = len(calls)
+            again = graphed.generate_tree(prompts, gammas=gammas, **kwargs)
+            alone = eager.generate_tree(prompts, gammas=gammas, **kwargs).sequences
+            if gammas != "auto":  # a budget may choose other lengths at each call (each one exact)
+                assert first.sequences == again.sequences == alone, gammas
+                assert first.stats.step_log[0].cold and first.stats.cold_steps >= 1  # a new layout: captured
+                assert len(calls) - since >= 3 and all(replayed for _, replayed in calls[since:])
+            if dtype == torch.float32:
+                assert first.sequences == [hf_greedy(target, p, 20) for p in prompts], gammas
+                assert first.sequences == plain.generate_tree(prompts, gammas=gammas, **kwargs).sequences, gammas
+    nodes = {sum(layout.nodes for layout in key[1]) for key, replayed in calls if replayed}
+    assert {3, 9} <= nodes  # (1, 1, 1) and (3, 2, 4) replayed
+    sampled = dict(kwargs, gammas=[3, 2, 4], do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=5)
+    a, b = (graphed.generate_tree(ragged, **sampled).sequences for _ in range(2))
+    assert a == b == eager.generate_tree(ragged, **sampled).sequences
+    assert any(layout.laws for key, replayed in calls if replayed for layout in key[1])
+
+
+def test_expanded_tree_steps_replayed_from_graphs_equal_generate():
+    """A feature head's top-k expansion (its nodes' parents and depths staged for the graph, the
+    target's features written inside it) beside n-gram, from graph replays: greedy output equals
+    ``model.generate`` (float32), a ragged batch and one row, fixed depths and ``"auto"``."""
+    target = tiny("llama", 0)
+    engine = SpeculativeEngine(target, [f"feature:{feature_checkpoint(target)}", "ngram"], warmup=False)
+    calls = _tree_calls(engine)
+    expand = {engine.drafters[0].name: (3, 6)}
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        expected = [hf_greedy(target, p, 16) for p in prompts]
+        for gammas in ([3, 2], [2, 2], "auto"):
+            for _ in range(2):
+                out = engine.generate_tree(prompts, gammas=gammas, expand=expand, max_new_tokens=16, eos_token_id=[])
+                assert out.sequences == expected, gammas
+    assert any(replayed and key[1][0].expanded for key, replayed in calls)
 
 
 @pytest.mark.parametrize("drafter", ["feature", "compact"])

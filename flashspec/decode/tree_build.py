@@ -97,7 +97,9 @@ def greedy_tree(chains: list[torch.Tensor]) -> DraftTree:
     if all(c.shape[1] == depth for c in chains):
         return tree_from_chains(torch.stack(chains, dim=1), check=False)
     padded = torch.stack([torch.nn.functional.pad(c, (0, depth - c.shape[1])) for c in chains], dim=1)
-    lengths = torch.tensor([c.shape[1] for c in chains], device=padded.device).expand(padded.shape[0], -1)
+    # Filled on the device, not copied from the host: the tree is built inside a step's CUDA graph.
+    lengths = torch.cat([torch.full((padded.shape[0], 1), c.shape[1], dtype=torch.long, device=padded.device)
+                         for c in chains], dim=1)
     return tree_from_chains(padded, lengths, check=False)
 
 

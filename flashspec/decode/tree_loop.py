@@ -21,13 +21,17 @@ the commit write the committed positions' features as the chain loop's scoring f
 "Top-k expansion of a feature drafter"). Early-exit and shallow drafters, which draft inside the
 target's own cache, are refused.
 
-Eager PyTorch only; the loop reads the device once per step (stop flag, faults, statistics).
+The loop reads the device once per step (stop flag, faults, statistics). On CUDA everything after
+the proposals (the tree's build, its forward, verification, commit and counts) replays from one CUDA
+graph per layout of the step's parts, whose inputs the step copies into buffers kept with the
+workspace (:mod:`~flashspec.decode.tree_graph`; SPEC.md §7, "Tree steps are graphs too").
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -47,6 +51,7 @@ from .commit import commit_step, note_fault
 from .loop import _Run
 from .request import MAX_DRAFT_TOKENS, Request
 from .tree_build import Part, check_expand, expanded_part, greedy_tree, part_counts, sampled_tree, step_tree
+from .tree_graph import graph_key, tree_inputs
 from .workspace import Plan, raise_fault
 
 AUTO = "auto"  # gammas="auto": the engine's TreeBudget chooses each step's draft lengths
@@ -73,8 +78,8 @@ def check_tree_engine(engine: Any, gammas: Sequence[int] | str | None, num_draft
     if engine.tensor_parallel is not None:
         raise ValueError("Tree decoding does not support tensor-parallel targets yet.")
     if engine.bit_exact:
-        raise ValueError("Tree decoding scores trees eagerly (SPEC.md §3), outside bit-exact mode: use an engine "
-                         "built with bit_exact=False.")
+        raise ValueError("Tree decoding scores trees on the model's own modules (SPEC.md §3), outside bit-exact "
+                         "mode: use an engine built with bit_exact=False.")
     if engine.block_size is not None:
         raise ValueError("Tree decoding scores every drafter's chain in one forward: there are no chunks to draft "
                          "in turn (SPEC.md §2). Use an engine built with block_size=None.")
@@ -246,10 +251,6 @@ class _TreeRun(_Run):
         self.guard = guard  # the never-slower guard of the budget's choices (SPEC.md §7)
         self.widths: dict[int, int] = {}  # this step's catch-up widths, per drafting drafter
         self.expansions = expansions  # the drafters whose part is a top-k expansion
-        # Per step: drafting uniforms [B, Σγ] (drafter i at its offset), then verification [B, T + 1]
-        # for a tree of T nodes (T = Σγ without expansions: for one drafter the chain loop's layout),
-        # drawn from the same generator. One buffer per width.
-        self.random: dict[int, torch.Tensor] = {}
         # Per drafter, how far a row may have grown past what its cache holds (its catch-up window,
         # SPEC.md §4): the committed tokens may come from another drafter's branch, or from steps it
         # was left out of.
@@ -290,17 +291,17 @@ class _TreeRun(_Run):
         drafter: a target-only step), the path committed, the statistics and the budget updated;
         returns whether any row is still generating (the step's one read)."""
         allocation = self._allocation()
-        started, events = time.perf_counter(), compile_events()
+        started = time.perf_counter()
+        events = compile_events()
         ws, params, active = self.ws, self.params, self.active
-        drafts, depth = sum(allocation), max(allocation)
+        inputs = tree_inputs(ws)  # the buffers the step's graph reads
+        depth = max(allocation)
         every = [_nodes_at(self.expansions, i, k) for i, k in enumerate(allocation)]  # each drafter's part
         sizes = [n for n, k in zip(every, allocation) if k]
-        nodes = sum(sizes)  # the tree's
-        width = drafts + nodes + 1
-        if width not in self.random:
-            self.random[width] = torch.zeros(self.batch, width, dtype=torch.float64, device=self.tokens.device)
-        random = self.random[width].uniform_(generator=self.rng)
-        parts, offsets, ran = [], [], []
+        # Drafting uniforms [B, Σγ] (drafter i at its offset), then verification [B, T + 1] for a tree of
+        # T nodes (T = Σγ without expansions: for one drafter the chain loop's layout), in one draw.
+        random = inputs.uniforms(sum(allocation) + sum(sizes) + 1).uniform_(generator=self.rng)
+        parts, layouts, ran = [], [], []
         drafting = [0.0] * len(allocation)
         for i, (drafter, k, growth) in enumerate(zip(self.plan.drafters, allocation, self.growths)):
             if not k:
@@ -312,14 +313,12 @@ class _TreeRun(_Run):
                 self._check_draft(drafter, tree, every[i])
                 part = expanded_part(drafter.name, tree, k)
             else:
-                draft = drafter.propose(history, k, params, random[:, offset : offset + k])
+                draft = drafter.propose(history, k, params, inputs.drafting(i, random[:, offset : offset + k]))
                 self._check_draft(drafter, draft, k)
-                part = Part(draft.tokens.long(), draft.probs if params.do_sample else None)
-            outside = (part.tokens < 0) | (part.tokens >= self.vocab_size)  # noted, raised after the step, staged as 0
-            note_fault(ws.fault, outside.any(dim=1) & active, 3, ws.steps_taken)
-            part.tokens = part.tokens.masked_fill(outside, 0)
+                part = Part(draft.tokens, draft.probs if params.do_sample else None)
+            part, layout = inputs.stage(i, k, part)  # copied into its layout's buffers
             parts.append(part)
-            offsets.append(sum(p.nodes for p in parts[:-1]))
+            layouts.append(layout)
             ran.append(i)
             drafting[i] = time.perf_counter() - began
         # A drafter's cache holds the committed tokens of this step only as far as they equal its own
@@ -335,9 +334,60 @@ class _TreeRun(_Run):
             growth.launched(max(depth - 2, -1))
         self.max_length += depth + 1
 
+        # One CUDA graph per key on a GPU (none on tensor-parallel ranks); a plain call elsewhere.
+        key = None if self.plan.tp is not None else graph_key(layouts, params, self.plan.acceptance)
+        packed = self.plan.graphs.run(key, lambda: self._score_verify_commit_tree(parts, random))
+        values = packed.tolist()  # the step's one read
+        cold = compile_events() != events  # it captured a graph or compiled: a one-off cost (SPEC.md §8)
+        raise_fault(values[:3])
+        running, rows_read, committed, accepted = values[3:7]
+        counts, missed = values[7 : 7 + len(ran)], dict(zip(ran, values[7 + len(ran) : 7 + 2 * len(ran)]))
+        for i, growth in enumerate(self.growths):
+            growth.polled(committed)
+            growth.polled(max(missed.get(i, 0) - 2, 0))
+        seconds = time.perf_counter() - started
+        self._update(allocation, sizes, rows_read, committed, accepted, dict(zip(ran, counts)), seconds, cold)
+        if self.budget is not None and rows_read:
+            rest = values[7 + 2 * len(ran) :]
+            per_row = dict(zip(ran, (rest[j * self.batch : (j + 1) * self.batch] for j in range(len(ran)))))
+            unrun = [-1] * self.batch
+            lengths, taken_rows = [per_row.get(i, unrun) for i in range(len(allocation))], rest[len(ran) * self.batch :]
+            began, timed = time.perf_counter(), not cold
+            if self.guard is not None:  # a stall's time is not a steady cost either (SPEC.md §7)
+                timed = self.guard.observe(allocation, seconds, committed, rows_read, lengths, taken_rows,
+                                           self.widths, drafting, cold)
+            self.budget.observe(allocation, lengths, taken_rows, seconds, drafting, self.context, timed=timed)
+            self.stats.selector_seconds += time.perf_counter() - began
+        return bool(running)
+
+    def _tree(self, parts: list[Part]) -> DraftTree:
+        """The step's tree: chains alone through :func:`sampled_tree` or :func:`greedy_tree`, with an
+        expansion through :func:`step_tree` (SPEC.md §7)."""
+        if any(p.parents is not None for p in parts):
+            return step_tree(parts, self.params.do_sample)
+        if self.params.do_sample:
+            return sampled_tree([p.tokens for p in parts], [p.laws for p in parts])
+        return greedy_tree([p.tokens for p in parts])
+
+    def _score_verify_commit_tree(self, parts: list[Part], random: torch.Tensor) -> torch.Tensor:
+        """The step after the proposals, as tensor code over the step's buffers only (it is what a
+        tree step's CUDA graph replays): the parts' ids outside the vocabulary noted (fault 3, raised
+        after the step) and staged as 0; the tree built, scored, verified and its kept path copied into
+        the cache (no part: the chain loop's target-only step); the commit; then what the host reads,
+        packed: the fault, ``[running, rows, committed, accepted]``, per part its counts summed over rows
+        and its unseen tokens, then per part its count per row and the tokens each row committed."""
+        ws, params, active = self.ws, self.params, self.active
+        checked = []
+        for part in parts:
+            outside = (part.tokens < 0) | (part.tokens >= self.vocab_size)
+            note_fault(ws.fault, outside.any(dim=1) & active, 3, ws.steps_taken)
+            checked.append(replace(part, tokens=part.tokens.masked_fill(outside, 0)))
+        offsets = [sum(p.nodes for p in checked[:j]) for j in range(len(checked))]
+        nodes = sum(p.nodes for p in checked)
+        drafts = random.shape[1] - nodes - 1  # the drafting uniforms come first
         before = self.length.clone()
         if nodes:
-            tree = self._tree(parts)
+            tree = self._tree(checked)
             start = self.length - 1
             pending = self.tokens.gather(1, start[:, None])
             # The target's features where drafters read them (SPEC.md §11): the root's written at
@@ -354,55 +404,22 @@ class _TreeRun(_Run):
                     result.num_accepted, ws.log, ws.steps_taken, logits, ws.fault)
         taken = self.length - before  # tokens committed to each row (0: it was not active)
         kept = torch.minimum(result.num_accepted, taken)  # drafts committed
-        lengths, unseen = part_counts(parts, offsets, result, taken, params.do_sample)
+        lengths, unseen = part_counts(checked, offsets, result, taken, params.do_sample)
         flags = torch.stack([self.active.any().long(), rows, taken.sum(), kept.sum()])
-        reads = [ws.fault, flags, lengths.clamp(min=0).sum(dim=1), unseen]
-        if self.budget is not None:
-            reads += [lengths.flatten(), taken]
-        values = torch.cat(reads).tolist()  # the step's one read
-        raise_fault(values[:3])
-        running, rows_read, committed, accepted = values[3:7]
-        counts, missed = values[7 : 7 + len(ran)], dict(zip(ran, values[7 + len(ran) : 7 + 2 * len(ran)]))
-        for i, growth in enumerate(self.growths):
-            growth.polled(committed)
-            growth.polled(max(missed.get(i, 0) - 2, 0))
-        seconds = time.perf_counter() - started
-        cold = compile_events() != events  # it compiled or captured: a one-off cost (SPEC.md §8)
-        self._update(allocation, sizes, rows_read, committed, accepted, dict(zip(ran, counts)), seconds, cold)
-        if self.budget is not None and rows_read:
-            rest = values[7 + 2 * len(ran) :]
-            per_row = dict(zip(ran, (rest[j * self.batch : (j + 1) * self.batch] for j in range(len(ran)))))
-            unrun = [-1] * self.batch
-            lengths, taken_rows = [per_row.get(i, unrun) for i in range(len(allocation))], rest[len(ran) * self.batch :]
-            began, timed = time.perf_counter(), not cold
-            if self.guard is not None:
-                timed = self.guard.observe(allocation, seconds, committed, rows_read, lengths, taken_rows,
-                                           self.widths, drafting, cold)
-            self.budget.observe(allocation, lengths, taken_rows, seconds, drafting, self.context, timed)
-            self.stats.selector_seconds += time.perf_counter() - began
-        return bool(running)
-
-    def _tree(self, parts: list[Part]) -> DraftTree:
-        """The step's tree: chains alone through :func:`sampled_tree` or :func:`greedy_tree`, with an
-        expansion through :func:`step_tree` (SPEC.md §7)."""
-        if any(p.parents is not None for p in parts):
-            return step_tree(parts, self.params.do_sample)
-        if self.params.do_sample:
-            return sampled_tree([p.tokens for p in parts], [p.laws for p in parts])
-        return greedy_tree([p.tokens for p in parts])
+        return torch.cat([ws.fault, flags, lengths.clamp(min=0).sum(dim=1), unseen, lengths.flatten(), taken])
 
     def _update(self, allocation: Allocation, sizes: list[int], rows: int, committed: int, accepted: int,
                 per_drafter: dict[int, int], seconds: float, cold: bool = False) -> None:
         """The step into the statistics (a step after every row finished is not counted); ``sizes``:
-        the nodes of each drafter that ran."""
+        the nodes of each drafter that ran; ``cold``: the step captured a graph or compiled."""
         if rows == 0:
             return
         stats, nodes = self.stats, sum(sizes)
         label = _label(self.plan.drafters, allocation, self.expansions,
                        [_nodes_at(self.expansions, i, k) for i, k in enumerate(allocation)])
         stats.step_log.append(StepRecord(label if nodes else None, accepted, rows, committed, seconds, cold))
-        stats.cold_steps += cold
         stats.steps += 1
+        stats.cold_steps += cold
         stats.row_steps += rows
         stats.decode_tokens += committed
         stats.proposed += nodes * rows

@@ -66,6 +66,9 @@ class Workspace:
         # (SPEC.md §11): {n: [B, capacity, hidden]}, or None.
         self.hidden = {n: torch.zeros(batch, capacity, hidden, dtype=dtype, device=device)
                        for n in feature_layers} or None
+        # A tree step's parts and uniforms, in buffers its CUDA graphs read (decode.tree_graph.TreeInputs),
+        # made at the first tree step.
+        self.tree: Any = None
 
 
 # What a fault's kind means (Workspace.fault[2]).

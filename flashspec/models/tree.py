@@ -11,8 +11,9 @@ features, for drafters that read them, SPEC.md §11) the same holds for the outp
 ``n`` layers: the root's are written into the feature buffer, the nodes' kept in the scratch until
 the commit copies the accepted path's.
 
-The forward runs eagerly on the model's own modules and PyTorch's SDPA with an explicit mask,
-whatever the ``StaticLM``'s ``compile``, decode maps or bit-exact mode: its results match a chain
+The forward runs on the model's own modules and PyTorch's SDPA with an explicit mask, never compiled
+(the tree decode loop replays it inside a CUDA graph on a GPU), whatever the ``StaticLM``'s
+``compile``, decode maps or bit-exact mode: its results match a chain
 forward's to rounding, not bit for bit. (``flashspec.models`` sits beside ``flashspec.draft_tree``
 in the layering, so the tree's ancestors and depths are computed here from the parents.)
 """

@@ -322,8 +322,8 @@ class TreeBudget:
         ``drafting[i]`` the seconds of drafter ``i``'s proposal (None: all 0, the whole step is
         charged to its node count). Only depths ``d ≤ γ_i`` are observed; a row cut short (EOS,
         budget) after matching all it committed says nothing of the depths past what it committed.
-        ``timed=False``: the step's time is not a steady cost (it compiled, or stalled): only its
-        counts are learned."""
+        ``timed=False``: the step's time is not a steady cost — it captured a CUDA graph or compiled code,
+        or stalled (SPEC.md §7, §8) — so the cost model does not see it; its counts are kept."""
         allocation = self._check(allocation)
         seconds = _positive(seconds, "seconds")
         taken = [_count(t, "taken", 0) for t in taken]
