@@ -27,9 +27,9 @@ def add_parsers(sub: Any) -> None:
     for add in (_core_parser, _forward_parser, _bandit_parser, _select_parser, _gpu_parser, _e2e_parser,
                 _training_parser, _tp_parser, _serve_parser):
         add(bench_sub)
-    from ..bench import acceptance_args, hostile, requests  # benchmarks whose parser and command live apart
+    from ..bench import acceptance_args, hostile, requests, tree_anatomy  # parser and command live apart
 
-    for module in (acceptance_args, hostile, requests):
+    for module in (acceptance_args, hostile, requests, tree_anatomy):
         module.add_parser(bench_sub)
 
 
