@@ -68,8 +68,12 @@ def summarize(results: dict[str, Any]) -> str:
         lines.append("`tree@γ`: every drafter's chain of γ tokens in one draft tree per step, verified in one target "
                      "forward (`generate_tree`); α is over all its nodes.")
     for name, (topk, nodes) in (s.get("expand") or {}).items():
-        lines.append(f"In `tree@γ`, {name}'s part is a top-k expansion of depth γ ({topk} children per node, "
-                     f"the {nodes} most probable nodes kept) instead of its chain.")
+        if name == "ngram":  # several continuations, not a model's top-k (SPEC.md §7)
+            lines.append(f"In `tree@γ`, ngram's part is its best distinct continuations of depth γ (at least {topk}), "
+                         f"breadth first, {nodes} nodes at most, instead of its chain.")
+        else:
+            lines.append(f"In `tree@γ`, {name}'s part is a top-k expansion of depth γ ({topk} children per node, "
+                         f"the {nodes} most probable nodes kept) instead of its chain.")
     lines.append("")
     describe = {"text": "continuations of held-out corpus text",
                 "chat": "chat-formatted requests: a held-out snippet inside a user instruction, chat template applied"}
