@@ -347,3 +347,42 @@ def test_a_cold_step_teaches_the_budget_its_counts_but_not_its_time():
     warm.observe((4, 0), [[4], [-1]], [5], 1.5, [0.3, 0.0])
     assert budget.seconds((4, 0)) == pytest.approx(1.5)
     assert budget.survival(0) == warm.survival(0)
+
+
+# ---------------------------------------------------------------------------------- warm layouts
+def test_warm_trees_captures_every_layout_auto_may_choose_before_any_request():
+    """After ``warm_trees`` (greedy and sampled), ``gammas="auto"`` calls behind the guard, greedy and
+    sampled, capture nothing: every step replays a graph captured in the warm-up; the engine's budget
+    is the one it had, and the output is still the target's."""
+    from flashspec.decode.tree_warmup import SAMPLED, layouts, warm_trees
+
+    engine, graphs = capturing_engine(["ngram", noisy_model("llama")])
+    engine.tree_budget = None
+    seconds = warm_trees(engine)
+    assert seconds > 0 and engine.tree_budget is None
+    assert graphs.captures == len({key for key in graphs.entries}) >= 2 * len(layouts([4, 4])) - 2
+    captured = graphs.captures
+    prompt = [list(PROMPTS[2])]
+    for _ in range(3):
+        out = engine.generate_tree(prompt, gammas="auto", max_new_tokens=NEW, eos_token_id=[])
+        assert out.sequences == [hf_greedy("llama", PROMPTS[2], NEW)] and out.stats.cold_steps == 0
+        sampled = engine.generate_tree(prompt, gammas="auto", max_new_tokens=NEW, eos_token_id=[], seed=1, **SAMPLED)
+        assert sampled.stats.cold_steps == 0
+    assert graphs.captures == captured and graphs.replays() > 0
+
+
+def test_warm_trees_does_nothing_without_graphs_and_refuses_bad_batch_sizes():
+    from flashspec.decode.tree_warmup import layouts, warm_trees
+
+    engine = flashspec.SpeculativeEngine(target_model("llama"), ["ngram"], device="cpu")
+    assert warm_trees(engine) == 0.0 and getattr(engine, "tree_budget", None) is None
+    capturing, graphs = capturing_engine(["ngram"])
+    with pytest.raises(ValueError, match="batch_sizes"):
+        warm_trees(capturing, batch_sizes=[0])
+    with pytest.raises(ValueError, match="extra allocations"):
+        warm_trees(capturing, extra=[(65,)])
+    warm_trees(capturing, sampling=[{}], extra=[(3,), (6,)])  # no candidates of γ_max 4 (0, 1, 2, 4)
+    assert {sum(layout.depth for layout in key[1]) for key in graphs.entries} == {0, 1, 2, 3, 4, 6}
+    assert layouts([2]) == [(0,), (1,), (2,)]
+    many = layouts([8, 8, 8, 8, 8])  # 5⁵ candidates: too many to evaluate, so each drafter alone
+    assert many[0] == (0,) * 5 and (8,) * 5 in many and (0, 0, 4, 0, 0) in many and len(many) == 2 + 5 * 4

@@ -87,8 +87,15 @@ def run_trees(engine: Any, groups: list[list[dict[str, Any]]], temperature: floa
     one call per group: the module docstring's systems, as ``{name: [call per group]}``."""
     from tqdm.auto import tqdm
 
+    from ..decode.tree_warmup import warm_trees
+
     systems: dict[str, list[dict[str, Any]]] = {}
-    runs = [(f"tree@{g}", [g] * len(engine.drafters)) for g in tree_gammas(engine)] + [(TREE_AUTO, "auto")]
+    fixed = [[g] * len(engine.drafters) for g in tree_gammas(engine)]
+    # Every layout the tree systems may step through, captured before they are timed (SPEC.md §7).
+    sampling = [{"do_sample": True, "temperature": temperature}] if temperature > 0 else [{}]
+    warm_trees(engine, batch_sizes=sorted({len(g) for g in groups}), expand=expand or None, sampling=sampling,
+               extra=fixed)
+    runs = [(f"tree@{gammas[0]}", gammas) for gammas in fixed] + [(TREE_AUTO, "auto")]
     for name, gammas in runs:
         if gammas == "auto":
             engine.tree_budget = engine.tree_guard_memory = None  # learn from scratch, across this stream only
