@@ -21,16 +21,22 @@ if triton is not None:
 
     @device_fn
     def _attend_tile(q, k_row, v_row, k_sn, v_sn, n0, end, pos, d, d_live, m_i, l_i, acc, qk_scale,
-                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr):
         """One tile of keys ``n0 .. n0 + BLOCK_N`` (those ``< end`` loaded) folded into the
-        online softmax state ``(m_i, l_i, acc)`` of the rows at positions ``pos``."""
+        online softmax state ``(m_i, l_i, acc)`` of the rows at positions ``pos``. Interpreted (on
+        the CPU) the two products are elementwise sums: numpy's matrix product rounds a row
+        differently by its place in the tile and by the other rows (a tensor core's does not), which
+        bit-exact mode's row invariance cannot allow (SPEC.md §14)."""
         n = n0 + tl.arange(0, BLOCK_N)
         n_live = n < end
         kt = tl.load(k_row + n[None, :] * k_sn + d[:, None], mask=d_live[:, None] & n_live[None, :],
                      other=0.0)  # [BLOCK_D, BLOCK_N]
         if UPCAST:
             kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if INTERPRET:
+            s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1) * qk_scale
+        else:
+            s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         s = tl.where(n[None, :] <= pos[:, None], s, _NEG_INF)
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
         safe = tl.where(m_new == _NEG_INF, 0.0, m_new)  # rows without a visible key yet
@@ -43,7 +49,10 @@ if triton is not None:
         if UPCAST:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        if INTERPRET:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         return m_new, l_i, acc
 
     @triton.jit(do_not_specialize=_SPLIT_RUNTIME)
@@ -99,12 +108,12 @@ if triton is not None:
             n0 = start
             while n0 < end:
                 m_i, l_i, acc = _attend_tile(q, k_row, v_row, k_sn, v_sn, n0, end, pos, d, d_live, m_i, l_i, acc,
-                                             qk_scale, BLOCK_N, PRECISION, UPCAST)
+                                             qk_scale, BLOCK_N, PRECISION, UPCAST, INTERPRET)
                 n0 += BLOCK_N
         else:
             for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
                 m_i, l_i, acc = _attend_tile(q, k_row, v_row, k_sn, v_sn, n0, end, pos, d, d_live, m_i, l_i, acc,
-                                             qk_scale, BLOCK_N, PRECISION, UPCAST)
+                                             qk_scale, BLOCK_N, PRECISION, UPCAST, INTERPRET)
 
         seen = l_i > 0.0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]

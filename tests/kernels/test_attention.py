@@ -207,6 +207,25 @@ def test_exact_mode_token_outputs_do_not_depend_on_the_call(batch, width, groups
     assert torch.equal(alone[0], full[b])
 
 
+def test_exact_mode_rows_do_not_depend_on_their_place_in_the_tile():
+    """A token's row sits at another place of the 16-row tile in a 1-token call than in a 6-token
+    call (3 query heads per key head): its bits must not change. Once failed interpreted, where
+    numpy's matrix product rounded a row by its place (start 241, token 5)."""
+    batch, width, groups, kv_heads, dim, capacity = 3, 6, 3, 2, 32, 256
+    heads = kv_heads * groups
+    gen = torch.Generator().manual_seed(batch * 100 + width * 10 + groups)
+    query = torch.randn(batch, width, heads, dim, generator=gen).to(DEVICE, torch.bfloat16).transpose(1, 2)
+    keys = torch.randn(batch, kv_heads, capacity, dim, generator=gen).to(DEVICE, torch.bfloat16)
+    values = torch.randn(batch, kv_heads, capacity, dim, generator=gen).to(DEVICE, torch.bfloat16)
+    for start in ([241, 0, 0], [241, 5, 0], [100, 250, 7]):
+        positions = (torch.tensor(start)[:, None] + torch.arange(width)).to(DEVICE)
+        full = decode_attention_heads(query, keys, values, positions, dim ** -0.5, exact=True)
+        for j in range(width):
+            one = decode_attention_heads(query[:, :, j:j + 1], keys, values, positions[:, j:j + 1], dim ** -0.5,
+                                         exact=True)
+            assert torch.equal(one[:, 0], full[:, j]), (start, j)
+
+
 def test_exact_mode_tiles_and_splits_come_from_the_capacity_alone():
     """In bit-exact mode the row tile is 16 whatever the number of query rows, and the key-axis
     split is the one of a single row block, whatever the batch."""
