@@ -263,15 +263,20 @@ if triton is not None:
                 h = (g[None, :] * h.to(tl.float32)).to(dtype)
             w_mask = n_live[:, None] & k_live[None, :]
             w = tl.load(w_ptr + rn[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0)
-            if UPCAST:  # the interpreter multiplies the raw bits of bf16: exact float32 products instead
+            if UPCAST:  # the interpreter multiplies the raw bits of bf16: exact float32 products instead,
+                # summed elementwise: numpy's matrix product rounds a row by its place in the tile (SPEC.md §14)
                 h = h.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+                acc += tl.sum(h[:, None, :] * w[None, :, :], axis=2)
+            else:
+                acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
             if GATED:
                 u = tl.load(w_ptr + (rn + N)[:, None] * w_sn + kk[None, :], mask=w_mask, other=0.0)
                 if UPCAST:
                     u = u.to(tl.float32)
-                acc_up = tl.dot(h, tl.trans(u), acc_up, input_precision="ieee")
+                    acc_up += tl.sum(h[:, None, :] * u[None, :, :], axis=2)
+                else:
+                    acc_up = tl.dot(h, tl.trans(u), acc_up, input_precision="ieee")
         return acc, acc_up
 
     @triton.jit
