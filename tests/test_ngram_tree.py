@@ -110,11 +110,12 @@ def test_greedy_with_ngram_continuations_equals_hf_generate(arch, layout):
     assert all(s.per_drafter["ngram"].proposed == 7 * s.row_steps for s in stats)
 
 
-def test_sampled_decoding_with_ngram_continuations_follows_the_target_law():
-    """χ² (10,000 samples): the n-gram's continuations (depth 2, 3 branches, 6 point-mass nodes) tested
-    first, then a noisy copy's drawn chain, T = 0.7 with top-k and top-p."""
+@pytest.mark.parametrize("depth, option", [(2, (3, 6)), (1, (3, 3))])
+def test_sampled_decoding_with_ngram_continuations_follows_the_target_law(depth, option):
+    """χ² (10,000 samples): the n-gram's continuations (depth 2: 3 branches, 6 point-mass nodes; depth 1,
+    γ = 1: 3 sibling tokens) tested first, then a noisy copy's drawn chain, T = 0.7 with top-k and top-p."""
     temperature, top_k, top_p = 0.7, 5, 0.9
-    out = sample(["ngram", NOISY], [2, 2], temperature, top_k, top_p, expand_first=TreeExpansion(3, 6))
+    out = sample(["ngram", NOISY], [depth, depth], temperature, top_k, top_p, expand_first=TreeExpansion(*option))
     p = pvalue(out, exact_law(temperature, top_k, top_p))
     assert p > ALPHA, f"χ² p-value {p:.2e}: the output law differs from the target's"
     assert all(per.accepted > 0 for per in out.stats.per_drafter.values())

@@ -259,3 +259,27 @@ def test_slack_errors_are_clear():
     engine.tree_budget = TreeBudget([2])
     out = engine.generate_tree([LOOP_PROMPT], gammas="auto", max_new_tokens=8, slack=0.0, eos_token_id=[])
     assert out.sequences == [hf_greedy(LOOP_PROMPT, 8)]
+
+
+def test_sampled_auto_behind_the_guard_follows_the_target_law():
+    """χ² (10,000 samples) with the guard on, as by default: its first step runs the target alone (no
+    r₀ yet), the next drafts (a fixed cost model that makes drafting pay: a measured estimate that
+    fits); n-gram and a noisy copy (p ≠ q), T = 0.7 with top-k and top-p: each row's law is the target's."""
+    from stats_helpers import ALPHA
+    from test_tree_decode import NOISY, PROMPT, SAMPLES, TARGET, THREADS, exact_law, pvalue
+
+    temperature, top_k, top_p = 0.7, 5, 0.9
+    engine = flashspec.SpeculativeEngine(TARGET, ["ngram", NOISY], device="cpu")
+    engine.tree_budget = TreeBudget([2, 2], cost=lambda a: 1.0 + 0.01 * sum(a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        out = engine.generate_tree([PROMPT] * SAMPLES, max_new_tokens=3, gammas="auto", do_sample=True,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=[], seed=99)
+    finally:
+        torch.set_num_threads(before)
+    log = out.stats.step_log
+    assert log[0].arm is None and out.stats.guard_refused >= 1  # the guard waited for r₀
+    assert any(record.arm is not None for record in log[1:])  # then admitted a drafting step
+    p = pvalue(out, exact_law(temperature, top_k, top_p))
+    assert p > ALPHA, f"χ² p-value {p:.2e}: the output law differs from the target's"

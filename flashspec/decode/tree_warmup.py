@@ -66,7 +66,8 @@ def warm_trees(engine: Any, *, batch_sizes: Sequence[int] = (1,), gamma_max: Seq
     keyed by the sampling parameters), so that each one's graph is captured now; returns the seconds
     taken (0 where the engine replays no graphs: a CPU). ``gamma_max``: the budget's (default: each
     drafter's largest γ, as ``gammas="auto"`` takes it). The engine's budget and guard memory are put
-    back afterwards: nothing is learned here."""
+    back afterwards: nothing is learned here. It swaps ``engine.tree_budget`` while it runs: call it
+    before other threads use the engine, as the engine's own warm-up is."""
     if not engine._graphs.enabled:
         return 0.0
     for rows in batch_sizes:
