@@ -18,10 +18,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from .guard import GRACE_STEPS, KEPT_REQUESTS, OUTLIER, YIELD_PRIOR_STEPS, YIELD_WINDOW, bucket, check_slack
+from .tree_budget import Allocation
 
 __all__ = ["RANKED", "TreeGuard", "TreeGuardMemory"]
 
-Allocation = tuple[int, ...]
 RANKED = 8  # drafting allocations of the budget's ranking tried after its choice is refused
 
 

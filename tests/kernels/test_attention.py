@@ -209,8 +209,8 @@ def test_exact_mode_token_outputs_do_not_depend_on_the_call(batch, width, groups
 
 def test_exact_mode_rows_do_not_depend_on_their_place_in_the_tile():
     """A token's row sits at another place of the 16-row tile in a 1-token call than in a 6-token
-    call (3 query heads per key head): its bits must not change. Once failed interpreted, where
-    numpy's matrix product rounded a row by its place (start 241, token 5)."""
+    call (3 query heads per key head): its bits must not change. Interpreted, a matrix product by numpy
+    would round it by its place here (start 241, token 5)."""
     batch, width, groups, kv_heads, dim, capacity = 3, 6, 3, 2, 32, 256
     heads = kv_heads * groups
     gen = torch.Generator().manual_seed(batch * 100 + width * 10 + groups)

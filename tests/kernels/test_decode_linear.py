@@ -121,8 +121,8 @@ def test_exact_mode_any_row_count_is_row_invariant(rows, n, k, flags, seed):
 
 def test_exact_mode_rows_do_not_depend_on_their_place_in_the_tile():
     """Row 24 of 33 (the ninth row of the second tile) computed alone sits first in its tile: its bits
-    must not change. Once failed interpreted, where numpy's matrix product rounded a row by its place
-    (seed 25, 24 columns, K = 64)."""
+    must not change. Interpreted, a matrix product by numpy would round it by its
+    place here (seed 25, 24 columns, K = 64)."""
     problem = _problem(33, 24, 64, torch.bfloat16, False, False, False, False, 25)
     full = decode_linear(**problem, exact=True)
     for row in range(33):
